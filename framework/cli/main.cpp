@@ -1,0 +1,101 @@
+// The `frugal` command: train, check.
+#include <unistd.h>
+
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "frugal/frugal.h"
+#include "frugal/progress.h"
+#include "frugal/run.h"
+
+namespace {
+
+struct Common {
+  std::string config;
+  std::vector<std::string> sets;
+};
+
+void add_common(CLI::App* cmd, Common& c) {
+  cmd->add_option("config", c.config, "the run's TOML file")->required();
+  cmd->add_option("--set", c.sets, "override a key, e.g. --set data.batch_size=64 (repeatable)");
+}
+
+int run_check(const Common& opt, spdlog::logger& log) {
+  frugal::Config cfg = frugal::load_config(opt.config, opt.sets);
+  frugal::check_config(cfg);
+  log.info("{}: OK ({} stage(s), model {}, dataset {})", opt.config, cfg.stages.size(),
+           cfg.model.arch, cfg.data.dataset);
+  return 0;
+}
+
+int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
+  // Everything the config names is validated, and the output folder probed, before any work.
+  frugal::Config cfg = frugal::load_config(opt.config, opt.sets);
+  frugal::check_config(cfg);
+  frugal::ensure_writable_dir(cfg.run.out_dir);
+
+  auto learner = frugal::make_learner(cfg);
+  learner->add_callback(std::make_shared<frugal::ProgressCallback>(
+      frugal::ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
+  log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
+            cfg.data.dataset, learner->train_data().dataset().size(), cfg.data.batch_size,
+            learner->device().str(), at::get_num_threads(), frugal::compat::torch_version());
+
+  nlohmann::json extra;
+  int rc = 0;
+  try {
+    learner->fit(cfg.stages);
+  } catch (const std::exception& e) {
+    // The report still gets written, saying why the run stopped.
+    extra["error"] = e.what();
+    log->error("{}", e.what());
+    rc = 1;
+  }
+  auto report = frugal::make_report(*learner, cfg, extra);
+  frugal::write_report(cfg.run.out_dir, report, cfg);
+  std::cout << frugal::report_markdown(report) << std::flush;
+  log->info("report written to {}/report.md, report.json and config.toml", cfg.run.out_dir);
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Count every tensor the run makes.
+  frugal::MemoryMeter::install();
+
+  CLI::App app{"frugal: train models that do not fit in memory, and measure what each technique buys"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("frugal ") + frugal::kVersion + ", LibTorch " +
+                                        frugal::compat::torch_version());
+  std::string level = "info";
+  app.add_option("--log-level", level, "trace, debug, info, warn, error, off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+
+  Common train_opt, check_opt;
+  auto* train = app.add_subcommand("train", "train a model as a TOML file describes, then write its report");
+  add_common(train, train_opt);
+  auto* check = app.add_subcommand("check", "validate a TOML file without training");
+  add_common(check, check_opt);
+
+  CLI11_PARSE(app, argc, argv);
+
+  auto log = spdlog::stderr_color_mt("frugal");
+  log->set_level(spdlog::level::from_str(level));
+  log->set_pattern("%^[%H:%M:%S %l]%$ %v");
+
+  try {
+    if (*train) return run_train(train_opt, log);
+    if (*check) return run_check(check_opt, *log);
+  } catch (const frugal::ConfigError& e) {
+    log->error("{}", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    log->error("{}", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,88 @@
+#pragma once
+/// Every difference between LibTorch 1.13 (Debian) and 2.x lives here.
+#include <torch/torch.h>
+#include <torch/version.h>
+#include <ATen/autocast_mode.h>
+
+#ifdef FRUGAL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+/// True when this LibTorch is at least major.minor.
+#define FRUGAL_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+/// LibTorch 2.3 made Allocator::allocate non-const and added a pure copy_data.
+#if FRUGAL_TORCH_AT_LEAST(2, 3)
+#define FRUGAL_ALLOCATE_CONST
+#define FRUGAL_ALLOCATOR_COPY_DATA \
+  void copy_data(void* dest, const void* src, std::size_t n) const override { \
+    default_copy_data(dest, src, n);                                            \
+  }
+#else
+#define FRUGAL_ALLOCATE_CONST const
+#define FRUGAL_ALLOCATOR_COPY_DATA
+#endif
+
+namespace frugal::compat {
+
+inline constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
+inline constexpr int kTorchMinor = TORCH_VERSION_MINOR;
+inline const char* torch_version() { return TORCH_VERSION; }
+
+/// Turns autocast on or off for a device type, with the given lower-precision dtype.
+inline void set_autocast(c10::DeviceType device, bool enabled, at::ScalarType dtype) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(device, enabled);
+  at::autocast::set_autocast_dtype(device, dtype);
+#else
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+#endif
+}
+
+inline bool autocast_enabled(c10::DeviceType device) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled()
+                                        : at::autocast::is_enabled();
+#endif
+}
+
+/// Drops autocast's cast cache (weights cast to low precision).
+inline void clear_autocast_cache() { at::autocast::clear_cache(); }
+
+#ifdef FRUGAL_WITH_CUDA
+/// The caching allocator's statistics for `device` (aggregate pool).
+struct CudaStats {
+  int64_t allocated = 0, allocated_peak = 0, reserved = 0, reserved_peak = 0;
+  int64_t active = 0, num_alloc_retries = 0, num_ooms = 0, allocations = 0;
+};
+inline CudaStats cuda_stats(int device) {
+  namespace ca = c10::cuda::CUDACachingAllocator;
+  auto s = ca::getDeviceStats(device);
+  constexpr size_t agg = 0;  // StatType::AGGREGATE
+  CudaStats out;
+  out.allocated = s.allocated_bytes[agg].current;
+  out.allocated_peak = s.allocated_bytes[agg].peak;
+  out.reserved = s.reserved_bytes[agg].current;
+  out.reserved_peak = s.reserved_bytes[agg].peak;
+  out.active = s.active_bytes[agg].current;
+  out.num_alloc_retries = s.num_alloc_retries;
+  out.num_ooms = s.num_ooms;
+  out.allocations = s.allocation[agg].allocated;
+  return out;
+}
+inline void cuda_reset_peak(int device) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device);
+}
+inline void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+#endif
+
+}  // namespace frugal::compat

@@ -1,0 +1,16 @@
+#pragma once
+/// Everything a user or plugin author needs.
+#include "frugal/callback.h"
+#include "frugal/compat.h"
+#include "frugal/config.h"
+#include "frugal/data.h"
+#include "frugal/error.h"
+#include "frugal/event.h"
+#include "frugal/learner.h"
+#include "frugal/memory.h"
+#include "frugal/options.h"
+#include "frugal/progress.h"
+#include "frugal/registry.h"
+#include "frugal/report.h"
+#include "frugal/run.h"
+#include "frugal/version.h"

@@ -1,0 +1,197 @@
+#pragma once
+/// The Learner runs the training loop and fires the events of event.h on its callbacks.
+/// Callbacks steer it through flags (skip_step, skip_batch, stop_epoch, stop_fit), the loss
+/// scale, and by wrapping the forward; they read the memory meter and the run's statistics.
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "frugal/callback.h"
+#include "frugal/config.h"
+#include "frugal/data.h"
+#include "frugal/memory.h"
+#include "frugal/registry.h"
+
+namespace frugal {
+
+using Stage = StageOptions;
+
+/// What a stage measured; the run report holds one per stage.
+struct StageStats {
+  std::string name;
+  int64_t peak_bytes = 0;
+  std::array<int64_t, 4> phase_peaks{};  ///< per Phase
+  MemoryBreakdown steady;                ///< measured on the stage's third step (or its last)
+  bool steady_measured = false;
+  std::vector<double> step_seconds;      ///< wall time of each training batch
+  int64_t samples = 0;
+  double train_seconds = 0;
+  double last_epoch_loss = 0;            ///< mean training loss of the stage's last epoch
+  double valid_accuracy = -1;            ///< after the stage's last epoch; -1 = not validated
+};
+
+class Learner {
+ public:
+  /// `valid` may be empty (no validation). The optimizer is built over all parameters.
+  Learner(torch::nn::Sequential model, DataLoader train, std::optional<DataLoader> valid,
+          OptimizerOptions optimizer, LossFn loss, torch::Device device = torch::kCPU);
+  ~Learner();
+  Learner(const Learner&) = delete;
+  Learner& operator=(const Learner&) = delete;
+
+  // ---- composition ----
+  /// Adds a callback; callbacks run in ascending order() (stable for equal orders).
+  void add_callback(std::shared_ptr<Callback> cb);
+  /// Removes the callbacks named `name`; returns how many.
+  size_t remove_callback(const std::string& name);
+  const std::vector<std::shared_ptr<Callback>>& callbacks() const { return callbacks_; }
+  /// Removes every callback (their libraries may unload after).
+  void clear_callbacks();
+
+  // ---- training ----
+  void fit(const std::vector<Stage>& stages);
+  /// One stage named "fit".
+  void fit(int64_t epochs);
+  /// Accuracy over the validation data (fires before_validate / after_validate).
+  double validate();
+  /// Logits for a batch of normalized images, in eval mode without gradients.
+  torch::Tensor predict(const torch::Tensor& x);
+  /// Logits for every sample of `data`, batch by batch.
+  torch::Tensor predict(const DataLoader& data);
+  /// Runs the forward chain (callbacks that wrap the forward, then the model).
+  torch::Tensor forward(const torch::Tensor& x);
+
+  // ---- state callbacks read and change ----
+  torch::nn::Sequential& model() { return live().model_; }
+  torch::optim::Optimizer& optimizer() { return *live().optimizer_; }
+  const OptimizerOptions& optimizer_options() const { return optimizer_options_; }
+  /// Replaces the optimizer; the old one and its state are freed.
+  void set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, OptimizerOptions o);
+  /// Builds a new optimizer from `o` over the model's parameters.
+  void set_optimizer(const OptimizerOptions& o);
+  const LossFn& loss_fn() const { return loss_fn_; }
+  void set_loss_fn(LossFn f) { loss_fn_ = std::move(f); }
+  DataLoader& train_data() { return live().train_; }
+  DataLoader* valid_data() { return valid_ ? &*valid_ : nullptr; }
+  const torch::Device& device() const { return device_; }
+
+  /// The current batch (before_batch may replace it), prediction and loss.
+  torch::Tensor& x() { return x_; }
+  torch::Tensor& y() { return y_; }
+  torch::Tensor& pred() { return pred_; }
+  /// The unscaled loss, as logged. Backward uses loss() * loss_scale().
+  torch::Tensor& loss() { return loss_; }
+  /// Multiplies the factor backward applies to the loss; reset to 1 each batch.
+  void scale_loss(double factor) { loss_scale_ *= factor; }
+  double loss_scale() const { return loss_scale_; }
+  /// Runs backward on loss() * loss_scale(). The loop calls it; callbacks that re-run a
+  /// micro-step may too.
+  void backward();
+
+  // ---- flags: set during a batch or an epoch, cleared by the loop ----
+  /// The optimizer does not step and gradients are kept (they accumulate); a callback that
+  /// wants them dropped calls zero_grad(). after_step does not fire.
+  void skip_step() { skip_step_ = true; }
+  /// The rest of the batch's phases are skipped; after_batch still fires.
+  void skip_batch() { skip_batch_ = true; }
+  /// The epoch's training loop ends after this batch; validation and after_epoch still run.
+  void stop_epoch() { stop_epoch_ = true; }
+  /// The fit ends after this batch; every open before_X gets its after_X.
+  void stop_fit() { stop_fit_ = true; }
+  bool step_skipped() const { return skip_step_; }
+  bool batch_skipped() const { return skip_batch_; }
+  bool fit_stopped() const { return stop_fit_; }
+  void zero_grad();
+
+  // ---- counters ----
+  const Stage& stage() const { return stages_.at(stage_index_); }
+  int64_t stage_index() const { return stage_index_; }
+  int64_t epoch() const { return epoch_; }          ///< within the stage
+  int64_t batch_index() const { return batch_index_; }  ///< within the epoch
+  int64_t num_batches() const { return num_batches_; }
+  int64_t iteration() const { return iteration_; }  ///< training batches seen in fit
+  int64_t steps() const { return steps_; }          ///< optimizer steps taken in fit
+  bool training() const { return training_; }
+  Event event() const { return event_; }            ///< the event being dispatched
+
+  // ---- measurements ----
+  MemoryMeter& memory() { return MemoryMeter::get(); }
+  const std::vector<StageStats>& stage_stats() const { return stage_stats_; }
+  /// Mean training loss of the batches since the epoch began (syncs the device).
+  double epoch_loss() const;
+  double valid_accuracy() const { return valid_accuracy_; }
+  /// Every measurement of the fit as JSON (the run report's "fit" object).
+  nlohmann::json report() const;
+
+  // ---- model management ----
+  /// Parameters whose names start with any prefix stop training (requires_grad = false).
+  void freeze(const std::vector<std::string>& prefixes);
+  void unfreeze();
+  /// Names of the parameters that do not train.
+  std::vector<std::string> frozen() const;
+
+  /// Saves the model (and the optimizer's state) atomically: temp file, fsync, rename.
+  void save(const std::string& path, bool with_opt = true);
+  /// Loads what save() wrote. Throws CheckpointError for a missing, truncated or foreign file.
+  void load(const std::string& path, bool with_opt = true);
+  /// fastai's purge: drops the optimizer's state (unless clear_opt is false), sets gradients
+  /// to none, drops cached batch, prediction and loss. Returns the live bytes released.
+  int64_t purge(bool clear_opt = true);
+  /// Releases everything that holds memory (model, optimizer, data, callbacks); the
+  /// Learner is an empty shell afterwards and any use throws UsageError.
+  void destroy();
+  bool destroyed() const { return destroyed_; }
+
+ private:
+  friend class ForwardNext;
+  Learner& live();
+  const Learner& live() const;
+  void fire(Event e);
+  torch::Tensor forward_from(size_t index, const torch::Tensor& x);
+  void run_stage(const Stage& s);
+  void run_epoch();
+  void train_batch(const Batch& b);
+  void reset_batch_state();
+  void note_phase_peak(Phase p, int64_t bytes);
+
+  torch::nn::Sequential model_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  OptimizerOptions optimizer_options_;
+  LossFn loss_fn_;
+  DataLoader train_;
+  std::optional<DataLoader> valid_;
+  torch::Device device_;
+  std::vector<std::shared_ptr<Callback>> callbacks_;  // sorted by order()
+  std::vector<Callback*> forward_wrappers_;
+
+  std::vector<Stage> stages_;
+  torch::Tensor x_, y_, pred_, loss_;
+  torch::Tensor loss_sum_;  // on the device: synced once per epoch or log interval
+  int64_t loss_count_ = 0;
+  double loss_scale_ = 1.0;
+  bool skip_step_ = false, skip_batch_ = false, stop_epoch_ = false, stop_fit_ = false;
+  int64_t stage_index_ = 0, epoch_ = 0, batch_index_ = 0, num_batches_ = 0;
+  int64_t iteration_ = 0, steps_ = 0;
+  bool training_ = false;
+  Event event_ = Event::BeforeFit;
+  double valid_accuracy_ = -1;
+  std::vector<StageStats> stage_stats_;
+  int64_t max_steps_ = 0;
+  int64_t global_epoch_ = 0;  // across stages: the data order of each epoch differs
+  struct Probe {
+    bool valid = false;
+    MemoryBreakdown breakdown;
+  } last_probe_;  // the last batch's breakdown, for stages shorter than three batches
+  bool destroyed_ = false;
+
+ public:
+  /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests.
+  void set_max_batches(int64_t n) { max_steps_ = n; }
+};
+
+}  // namespace frugal

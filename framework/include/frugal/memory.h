@@ -1,0 +1,97 @@
+#pragma once
+/// Memory meter: live and peak bytes, per phase and per stage, and the steady state split
+/// into parameters, gradients, optimizer state and activations.
+///
+/// On CPU the meter counts through a tracking allocator installed with c10::SetCPUAllocator
+/// (it serves raw_allocate: the DataPtr's context is the data pointer and raw_deleter() is
+/// set, so oneDNN's bfloat16 path works). Tensors allocated before install() are not counted.
+/// On CUDA it reads the caching allocator's statistics (allocated, reserved, peaks).
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+#include <torch/torch.h>
+
+namespace frugal {
+
+/// Where in a step the bytes were live. Peaks are kept per phase.
+enum class Phase { Forward, Backward, Step, Validate };
+inline constexpr std::array<Phase, 4> kAllPhases = {Phase::Forward, Phase::Backward, Phase::Step,
+                                                    Phase::Validate};
+std::string_view to_string(Phase p);
+
+/// Bytes held by each kind of tensor at one moment.
+struct MemoryBreakdown {
+  int64_t parameters = 0;       ///< parameters and buffers of the model
+  int64_t gradients = 0;        ///< .grad of every parameter
+  int64_t optimizer_state = 0;  ///< the optimizer's per-parameter state (moments, momentum)
+  int64_t activations = 0;      ///< peak bytes the forward pass added over the step's start
+  int64_t data = 0;             ///< the datasets held in memory
+  int64_t other = 0;            ///< live bytes in none of the categories above (batch, caches)
+  int64_t total() const {
+    return parameters + gradients + optimizer_state + activations + data + other;
+  }
+};
+void to_json(nlohmann::json& j, const MemoryBreakdown& b);
+
+/// Bytes of tensor storage reachable from a module's parameters and buffers, and their grads.
+int64_t parameter_bytes(const torch::nn::Module& m);
+int64_t gradient_bytes(const torch::nn::Module& m);
+/// Bytes of the optimizer's state tensors (Adam, AdamW, SGD, RMSprop and Adagrad are known;
+/// another optimizer's state counts as 0 here and shows under "other").
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
+
+/// Process-wide meter (the allocator is process-wide). Thread-safe.
+class MemoryMeter {
+ public:
+  static MemoryMeter& get();
+
+  /// Installs the tracking CPU allocator; idempotent. Call before creating tensors to count.
+  static void install();
+  static bool installed();
+
+  /// Chooses which device's bytes current()/peak() report: CPU (tracked) or a CUDA device.
+  void set_device(const torch::Device& d);
+  const torch::Device& device() const { return device_; }
+
+  /// Live bytes now, and the highest since the last reset_peak().
+  int64_t current() const;
+  int64_t peak() const;
+  void reset_peak();
+  /// Bytes the CUDA caching allocator holds from the driver (== current() on CPU).
+  int64_t reserved() const;
+  /// Allocation count since install (CPU) or the allocator's count (CUDA).
+  int64_t allocations() const;
+
+  /// A window measures the peak over a region: open() sets its peak to current(), peak()
+  /// reads the highest live bytes since. Slot 0 is the Learner's stage window, slot 1 its
+  /// phase window; slots 2..7 are free for callbacks.
+  static constexpr int kWindows = 8;
+  void open_window(int slot);
+  int64_t window_peak(int slot) const;
+
+  /// Called by the Learner: peaks per phase and per stage, kept for the report.
+  void record_phase_peak(Phase p, int64_t bytes);
+  void record_stage_peak(const std::string& stage, int64_t bytes);
+  const std::array<int64_t, 4>& phase_peaks() const { return phase_peaks_; }
+  const std::map<std::string, int64_t>& stage_peaks() const { return stage_peaks_; }
+  void clear_records();
+
+  /// Releases cached blocks the allocator holds (CUDA's empty_cache); no-op on CPU.
+  void empty_cache();
+
+ private:
+  MemoryMeter() = default;
+  torch::Device device_{torch::kCPU};
+  std::array<int64_t, 4> phase_peaks_{};
+  std::map<std::string, int64_t> stage_peaks_;
+};
+
+/// Formats bytes for people: "1.5 MiB".
+std::string format_bytes(int64_t bytes);
+/// Parses "512MiB", "2GiB", "1.5GB", "1000" (bytes); throws ConfigError naming `what`.
+int64_t parse_bytes(const std::string& text, const std::string& what);
+
+}  // namespace frugal

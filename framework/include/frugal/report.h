@@ -1,0 +1,28 @@
+#pragma once
+/// The run report: report.json, a short report.md and the resolved config.toml in one folder.
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace frugal {
+
+class Learner;
+struct Config;
+
+/// Checks before any work that `dir` can be created and written; throws Error naming it.
+void ensure_writable_dir(const std::string& dir);
+
+/// The whole report of a finished (or stopped) fit: resolved config, environment
+/// (LibTorch version, device, threads), the learner's measurements and `extra` fields.
+nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::json& extra = {});
+
+/// Writes report.json, report.md and config.toml into `dir`, each atomically.
+void write_report(const std::string& dir, const nlohmann::json& report, const Config& c);
+
+/// The Markdown summary of a report (also printed by `frugal train`).
+std::string report_markdown(const nlohmann::json& report);
+
+/// Writes `text` to `path` atomically: a temp file beside it, fsync, rename.
+void write_file_atomic(const std::string& path, const std::string& text);
+
+}  // namespace frugal

@@ -1,0 +1,24 @@
+#include "frugal/error.h"
+
+namespace frugal {
+
+Error::Error(const std::string& what) : std::runtime_error(what) {}
+Error::~Error() = default;
+ConfigError::~ConfigError() = default;
+DataError::~DataError() = default;
+CheckpointError::~CheckpointError() = default;
+PluginError::~PluginError() = default;
+UsageError::~UsageError() = default;
+
+CallbackError::CallbackError(std::string callback, std::string event, const std::string& reason)
+    : Error("callback '" + callback + "' failed in event '" + event + "': " + reason),
+      callback_(std::move(callback)),
+      event_(std::move(event)),
+      reason_(reason) {}
+CallbackError::~CallbackError() = default;
+
+void throw_config_error(const std::string& msg) { throw ConfigError(msg); }
+void throw_data_error(const std::string& msg) { throw DataError(msg); }
+void throw_usage_error(const std::string& msg) { throw UsageError(msg); }
+
+}  // namespace frugal

@@ -1,0 +1,624 @@
+#include "frugal/learner.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "frugal/compat.h"
+#include "frugal/error.h"
+
+namespace frugal {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kStageWindow = 0;
+constexpr int kPhaseWindow = 1;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  double pos = q * static_cast<double>(v.size() - 1);
+  size_t lo = static_cast<size_t>(pos);
+  size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (pos - static_cast<double>(lo)) * (v[hi] - v[lo]);
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// An error from the model's own forward, so that callbacks wrapping the forward do not
+// claim it as theirs.
+class ModelForwardError : public Error {
+ public:
+  using Error::Error;
+};
+
+int64_t dataset_bytes(const Dataset& d) {
+  int64_t n = 0;
+  if (d.images.defined()) n += static_cast<int64_t>(d.images.nbytes());
+  if (d.labels.defined()) n += static_cast<int64_t>(d.labels.nbytes());
+  return n;
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+Learner::Learner(torch::nn::Sequential model, DataLoader train, std::optional<DataLoader> valid,
+                 OptimizerOptions optimizer, LossFn loss, torch::Device device)
+    : model_(std::move(model)),
+      optimizer_options_(std::move(optimizer)),
+      loss_fn_(std::move(loss)),
+      train_(std::move(train)),
+      valid_(std::move(valid)),
+      device_(device) {
+  if (!loss_fn_) throw_usage_error("Learner needs a loss function");
+  model_->to(device_);
+  train_.set_device(device_);
+  if (valid_) valid_->set_device(device_);
+  optimizer_ = make_optimizer(optimizer_options_, model_->parameters());
+}
+
+Learner::~Learner() {
+  // Callbacks (possibly from plugin libraries) go first, while everything they may touch lives.
+  callbacks_.clear();
+  forward_wrappers_.clear();
+}
+
+Learner& Learner::live() {
+  if (destroyed_) throw_usage_error("this Learner was destroyed; create a new one");
+  return *this;
+}
+const Learner& Learner::live() const {
+  if (destroyed_) throw_usage_error("this Learner was destroyed; create a new one");
+  return *this;
+}
+
+// ---------------------------------------------------------------- composition
+
+void Learner::add_callback(std::shared_ptr<Callback> cb) {
+  live();
+  if (!cb) throw_usage_error("add_callback: null callback");
+  auto pos = std::upper_bound(callbacks_.begin(), callbacks_.end(), cb,
+                              [](const auto& a, const auto& b) { return a->order() < b->order(); });
+  callbacks_.insert(pos, std::move(cb));
+  forward_wrappers_.clear();
+  for (auto& c : callbacks_)
+    if (c->wraps_forward()) forward_wrappers_.push_back(c.get());
+}
+
+size_t Learner::remove_callback(const std::string& name) {
+  size_t before = callbacks_.size();
+  callbacks_.erase(std::remove_if(callbacks_.begin(), callbacks_.end(),
+                                  [&](const auto& c) { return c->name() == name; }),
+                   callbacks_.end());
+  forward_wrappers_.clear();
+  for (auto& c : callbacks_)
+    if (c->wraps_forward()) forward_wrappers_.push_back(c.get());
+  return before - callbacks_.size();
+}
+
+void Learner::clear_callbacks() {
+  callbacks_.clear();
+  forward_wrappers_.clear();
+}
+
+void Learner::fire(Event e) {
+  event_ = e;
+  const bool reverse = is_after(e);
+  const size_t n = callbacks_.size();
+  for (size_t k = 0; k < n && k < callbacks_.size(); ++k) {
+    Callback& cb = *callbacks_[reverse ? callbacks_.size() - 1 - k : k];
+    try {
+      cb.dispatch(e, *this);
+    } catch (const CallbackError&) {
+      throw;  // already names its callback (an event fired from inside a hook)
+    } catch (const c10::Error& err) {
+      throw CallbackError(cb.name(), std::string(to_string(e)), err.what_without_backtrace());
+    } catch (const std::exception& err) {
+      // Copy the message: the exception object may belong to a plugin's library.
+      throw CallbackError(cb.name(), std::string(to_string(e)), err.what());
+    } catch (...) {
+      throw CallbackError(cb.name(), std::string(to_string(e)), "unknown exception");
+    }
+  }
+}
+
+torch::Tensor Learner::forward(const torch::Tensor& x) { return live().forward_from(0, x); }
+
+torch::Tensor Learner::forward_from(size_t index, const torch::Tensor& x) {
+  if (index >= forward_wrappers_.size()) {
+    try {
+      return model_->forward(x);
+    } catch (const c10::Error& err) {
+      throw ModelForwardError("model forward failed: " + first_line(err.what_without_backtrace()));
+    }
+  }
+  Callback* cb = forward_wrappers_[index];
+  try {
+    return cb->wrap_forward(*this, x, ForwardNext(*this, index + 1));
+  } catch (const Error&) {
+    throw;  // ours: a CallbackError from a later wrapper, or the model's own error
+  } catch (const c10::Error& err) {
+    throw CallbackError(cb->name(), "wrap_forward", err.what_without_backtrace());
+  } catch (const std::exception& err) {
+    throw CallbackError(cb->name(), "wrap_forward", err.what());
+  }
+}
+
+// ---------------------------------------------------------------- optimizer
+
+void Learner::set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, OptimizerOptions o) {
+  live();
+  if (!opt) throw_usage_error("set_optimizer: null optimizer");
+  optimizer_.reset();  // free the old state before the new one lives
+  optimizer_ = std::move(opt);
+  optimizer_options_ = std::move(o);
+}
+
+void Learner::set_optimizer(const OptimizerOptions& o) {
+  live();
+  optimizer_.reset();
+  optimizer_ = make_optimizer(o, model_->parameters());
+  optimizer_options_ = o;
+}
+
+void Learner::zero_grad() {
+  // Set to none rather than zeroed: no gradient memory between steps.
+  for (auto& p : model_->parameters()) p.mutable_grad().reset();
+}
+
+void Learner::backward() {
+  if (!loss_.defined()) throw_usage_error("backward: no loss in this batch");
+  if (loss_scale_ == 1.0)
+    loss_.backward();
+  else
+    (loss_ * loss_scale_).backward();
+}
+
+// ---------------------------------------------------------------- the loop
+
+void Learner::reset_batch_state() {
+  x_ = torch::Tensor();
+  y_ = torch::Tensor();
+  pred_ = torch::Tensor();
+  loss_ = torch::Tensor();
+  loss_scale_ = 1.0;
+  skip_step_ = false;
+  skip_batch_ = false;
+}
+
+void Learner::fit(int64_t epochs) {
+  Stage s;
+  s.name = "fit";
+  s.epochs = epochs;
+  fit(std::vector<Stage>{s});
+}
+
+void Learner::fit(const std::vector<Stage>& stages) {
+  live();
+  if (stages.empty()) throw_usage_error("fit: no stages");
+  // Everything checkable is checked before any work.
+  std::vector<std::string> names;
+  for (const auto& np : model_->named_parameters()) names.push_back(np.key());
+  for (const auto& s : stages) {
+    if (s.epochs < 0)
+      throw_config_error("stage '" + s.name + "': epochs must be >= 0, got " + std::to_string(s.epochs));
+    if (s.image_size < 0)
+      throw_config_error("stage '" + s.name + "': image_size must be >= 0, got " +
+                         std::to_string(s.image_size));
+    for (const auto& prefix : s.freeze) {
+      bool hit = std::any_of(names.begin(), names.end(),
+                             [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
+      if (!hit) {
+        std::string blocks;
+        for (const auto& c : model_->named_children()) blocks += (blocks.empty() ? "" : ", ") + c.key();
+        std::string near = nearest(prefix, [&] {
+          std::vector<std::string> v;
+          for (const auto& c : model_->named_children()) v.push_back(c.key());
+          return v;
+        }());
+        throw_config_error("stage '" + s.name + "': freeze prefix '" + prefix +
+                           "' matches no parameter" +
+                           (near.empty() ? "" : "; did you mean '" + near + "'?") +
+                           " The model's blocks: " + blocks);
+      }
+    }
+  }
+
+  stages_ = stages;
+  stage_stats_.clear();
+  iteration_ = steps_ = 0;
+  stop_fit_ = stop_epoch_ = false;
+  memory().clear_records();
+  model_->train();
+
+  fire(Event::BeforeFit);
+  for (size_t i = 0; i < stages_.size() && !stop_fit_; ++i) {
+    stage_index_ = static_cast<int64_t>(i);
+    run_stage(stages_[i]);
+  }
+  reset_batch_state();
+  fire(Event::AfterFit);
+}
+
+void Learner::run_stage(const Stage& s) {
+  unfreeze();
+  if (!s.freeze.empty()) freeze(s.freeze);
+  train_.set_image_size(s.image_size);
+  if (valid_) valid_->set_image_size(s.image_size);
+  if (s.has_optimizer) set_optimizer(s.optimizer);
+
+  stage_stats_.emplace_back();
+  stage_stats_.back().name = s.name;
+  memory().open_window(kStageWindow);
+
+  fire(Event::BeforeStage);
+  for (int64_t e = 0; e < s.epochs && !stop_fit_; ++e) {
+    epoch_ = e;
+    run_epoch();
+  }
+  StageStats& st = stage_stats_.back();
+  st.peak_bytes = memory().window_peak(kStageWindow);
+  memory().record_stage_peak(s.name, st.peak_bytes);
+  fire(Event::AfterStage);
+}
+
+void Learner::run_epoch() {
+  StageStats& st = stage_stats_.back();
+  fire(Event::BeforeEpoch);
+  train_.set_epoch(global_epoch_++);
+  model_->train();
+  training_ = true;
+  loss_sum_ = torch::zeros({}, torch::TensorOptions().device(device_));
+  loss_count_ = 0;
+  stop_epoch_ = false;
+  num_batches_ = train_.num_batches();
+
+  fire(Event::BeforeTrain);
+  auto t_train = Clock::now();
+  for (int64_t i = 0; i < num_batches_; ++i) {
+    batch_index_ = i;
+    train_batch(train_.batch(i));
+    ++iteration_;
+    if (max_steps_ > 0 && iteration_ >= max_steps_) stop_fit_ = true;
+    if (stop_epoch_ || stop_fit_) break;
+  }
+  st.train_seconds += seconds_since(t_train);
+  st.last_epoch_loss = epoch_loss();
+  reset_batch_state();
+  if (!st.steady_measured && last_probe_.valid) {
+    st.steady = last_probe_.breakdown;
+    st.steady_measured = true;
+  }
+  fire(Event::AfterTrain);
+  training_ = false;
+
+  if (valid_ && !stop_fit_) st.valid_accuracy = validate();
+  fire(Event::AfterEpoch);
+}
+
+void Learner::train_batch(const Batch& b) {
+  StageStats& st = stage_stats_.back();
+  MemoryMeter& mm = memory();
+  reset_batch_state();
+  x_ = b.x;
+  y_ = b.y;
+  const int64_t stage_batch = static_cast<int64_t>(st.step_seconds.size());
+  const auto t0 = Clock::now();
+
+  fire(Event::BeforeBatch);
+  int64_t live_before_forward = 0, forward_peak = 0, grads = 0;
+  if (!skip_batch_) {
+    live_before_forward = mm.current();
+    mm.open_window(kPhaseWindow);
+    fire(Event::BeforeForward);
+    pred_ = forward(x_);
+    fire(Event::AfterForward);
+    loss_ = loss_fn_(pred_, y_);
+    fire(Event::AfterLoss);
+    forward_peak = mm.window_peak(kPhaseWindow);
+    note_phase_peak(Phase::Forward, forward_peak);
+  }
+  if (!skip_batch_) {
+    mm.open_window(kPhaseWindow);
+    fire(Event::BeforeBackward);
+    backward();
+    fire(Event::AfterBackward);
+    note_phase_peak(Phase::Backward, mm.window_peak(kPhaseWindow));
+    grads = gradient_bytes(*model_);
+  }
+  if (!skip_batch_) {
+    mm.open_window(kPhaseWindow);
+    fire(Event::BeforeStep);
+    if (!skip_step_ && !skip_batch_) {
+      optimizer_->step();
+      zero_grad();
+      ++steps_;
+      fire(Event::AfterStep);
+    }
+    note_phase_peak(Phase::Step, mm.window_peak(kPhaseWindow));
+  }
+  if (loss_.defined()) {
+    loss_sum_ += loss_.detach().to(torch::kFloat);
+    ++loss_count_;
+  }
+  fire(Event::AfterBatch);
+
+  st.step_seconds.push_back(seconds_since(t0));
+  st.samples += b.size();
+  if (!skip_batch_ && forward_peak > 0) {
+    // The steady state: fastai's observation is that from the second batch on memory is
+    // constant; the stage's third batch (or its last, if shorter) is measured.
+    MemoryBreakdown m;
+    m.parameters = parameter_bytes(*model_);
+    m.gradients = grads;
+    m.optimizer_state = optimizer_state_bytes(*optimizer_);
+    m.activations = std::max<int64_t>(0, forward_peak - live_before_forward);
+    m.data = dataset_bytes(train_.dataset()) + (valid_ ? dataset_bytes(valid_->dataset()) : 0);
+    m.other = std::max<int64_t>(
+        0, live_before_forward - m.parameters - m.optimizer_state - m.data);
+    last_probe_ = {true, m};
+    if (!st.steady_measured && stage_batch >= 2) {
+      st.steady = m;
+      st.steady_measured = true;
+    }
+  }
+}
+
+void Learner::note_phase_peak(Phase p, int64_t bytes) {
+  memory().record_phase_peak(p, bytes);
+  if (!stage_stats_.empty()) {
+    auto& v = stage_stats_.back().phase_peaks[static_cast<size_t>(p)];
+    v = std::max(v, bytes);
+  }
+}
+
+double Learner::epoch_loss() const {
+  if (loss_count_ == 0 || !loss_sum_.defined()) return 0;
+  return loss_sum_.item<double>() / static_cast<double>(loss_count_);
+}
+
+double Learner::validate() {
+  live();
+  if (!valid_) return -1;
+  MemoryMeter& mm = memory();
+  const bool was_training = model_->is_training();
+  model_->eval();
+  mm.open_window(kPhaseWindow);
+  fire(Event::BeforeValidate);
+  torch::Tensor correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device_));
+  int64_t total = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t i = 0; i < valid_->num_batches(); ++i) {
+      Batch b = valid_->batch(i);
+      torch::Tensor p = forward(b.x);
+      correct += p.argmax(1).eq(b.y).sum();
+      total += b.size();
+    }
+  }
+  valid_accuracy_ = total ? static_cast<double>(correct.item<int64_t>()) / static_cast<double>(total) : 0;
+  fire(Event::AfterValidate);
+  note_phase_peak(Phase::Validate, mm.window_peak(kPhaseWindow));
+  if (was_training) model_->train();
+  return valid_accuracy_;
+}
+
+torch::Tensor Learner::predict(const torch::Tensor& x) {
+  live();
+  const bool was_training = model_->is_training();
+  model_->eval();
+  torch::Tensor out;
+  {
+    torch::NoGradGuard no_grad;
+    out = forward(x.to(device_));
+  }
+  if (was_training) model_->train();
+  return out;
+}
+
+torch::Tensor Learner::predict(const DataLoader& data) {
+  std::vector<torch::Tensor> outs;
+  for (int64_t i = 0; i < data.num_batches(); ++i) outs.push_back(predict(data.batch(i).x));
+  return outs.empty() ? torch::Tensor() : torch::cat(outs);
+}
+
+// ---------------------------------------------------------------- model management
+
+void Learner::freeze(const std::vector<std::string>& prefixes) {
+  for (auto& np : live().model_->named_parameters()) {
+    for (const auto& prefix : prefixes) {
+      if (np.key().rfind(prefix, 0) == 0) {
+        np.value().set_requires_grad(false);
+        np.value().mutable_grad().reset();
+        break;
+      }
+    }
+  }
+}
+
+void Learner::unfreeze() {
+  for (auto& p : live().model_->parameters()) p.set_requires_grad(true);
+}
+
+std::vector<std::string> Learner::frozen() const {
+  std::vector<std::string> out;
+  for (const auto& np : live().model_->named_parameters())
+    if (!np.value().requires_grad()) out.push_back(np.key());
+  return out;
+}
+
+void Learner::save(const std::string& path, bool with_opt) {
+  live();
+  namespace fs = std::filesystem;
+  torch::serialize::OutputArchive archive;
+  archive.write("frugal.format", c10::IValue(int64_t{1}));
+  torch::serialize::OutputArchive model_archive;
+  model_->save(model_archive);
+  archive.write("model", model_archive);
+  if (with_opt) {
+    torch::serialize::OutputArchive opt_archive;
+    optimizer_->save(opt_archive);
+    archive.write("optimizer", opt_archive);
+    archive.write("optimizer.name", c10::IValue(optimizer_options_.name));
+  }
+  const fs::path target(path);
+  if (target.has_parent_path()) fs::create_directories(target.parent_path());
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  try {
+    archive.save_to(tmp);
+  } catch (const c10::Error& e) {
+    std::remove(tmp.c_str());
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + first_line(e.what_without_backtrace()));
+  }
+  fsync_path(tmp, false);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + why);
+  }
+  fsync_path(target.has_parent_path() ? target.parent_path().string() : ".", true);
+}
+
+void Learner::load(const std::string& path, bool with_opt) {
+  live();
+  if (!std::filesystem::exists(path)) throw CheckpointError("checkpoint '" + path + "' does not exist");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path, device_);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint '" + path +
+                          "' is unreadable (truncated, or not a checkpoint): " +
+                          first_line(e.what_without_backtrace()));
+  }
+  c10::IValue format;
+  if (!archive.try_read("frugal.format", format))
+    throw CheckpointError("'" + path + "' is not a frugal checkpoint (it has no frugal.format record)");
+  torch::serialize::InputArchive model_archive;
+  if (!archive.try_read("model", model_archive))
+    throw CheckpointError("checkpoint '" + path + "' has no model");
+  try {
+    model_->load(model_archive);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint '" + path + "' does not fit this model: " +
+                          first_line(e.what_without_backtrace()));
+  }
+  if (!with_opt) return;
+  torch::serialize::InputArchive opt_archive;
+  if (!archive.try_read("optimizer", opt_archive))
+    throw CheckpointError("checkpoint '" + path +
+                          "' was saved without optimizer state; load it with with_opt = false");
+  c10::IValue name;
+  if (archive.try_read("optimizer.name", name) && name.isString() &&
+      name.toStringRef() != optimizer_options_.name)
+    throw CheckpointError("checkpoint '" + path + "' holds the state of optimizer '" +
+                          name.toStringRef() + "', this learner uses '" + optimizer_options_.name +
+                          "'; load it with with_opt = false");
+  try {
+    optimizer_->load(opt_archive);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint '" + path + "': optimizer state does not fit: " +
+                          first_line(e.what_without_backtrace()));
+  }
+}
+
+int64_t Learner::purge(bool clear_opt) {
+  live();
+  MemoryMeter& mm = memory();
+  const int64_t before = mm.current();
+  reset_batch_state();
+  loss_sum_ = torch::Tensor();
+  loss_count_ = 0;
+  zero_grad();
+  if (clear_opt) optimizer_->state().clear();
+  compat::clear_autocast_cache();
+  mm.empty_cache();
+  return before - mm.current();
+}
+
+void Learner::destroy() {
+  if (destroyed_) return;
+  callbacks_.clear();
+  forward_wrappers_.clear();
+  reset_batch_state();
+  loss_sum_ = torch::Tensor();
+  optimizer_.reset();
+  model_ = torch::nn::Sequential(nullptr);
+  train_.clear();
+  valid_.reset();
+  stages_.clear();
+  destroyed_ = true;
+  compat::clear_autocast_cache();
+  memory().empty_cache();
+}
+
+// ---------------------------------------------------------------- report
+
+nlohmann::json Learner::report() const {
+  using nlohmann::json;
+  json stages = json::array();
+  int64_t peak = 0;
+  double total_seconds = 0;
+  int64_t total_samples = 0;
+  std::vector<double> all_steps;
+  for (const auto& s : stage_stats_) {
+    json phases;
+    for (Phase p : kAllPhases) phases[std::string(to_string(p))] = s.phase_peaks[static_cast<size_t>(p)];
+
+    // Warm-up: the first batches of a stage allocate caches; they are left out of the times.
+    std::vector<double> steady(s.step_seconds.begin() + std::min<size_t>(2, s.step_seconds.size()),
+                               s.step_seconds.end());
+    if (steady.empty()) steady = s.step_seconds;
+    all_steps.insert(all_steps.end(), steady.begin(), steady.end());
+    json j = {{"name", s.name},
+              {"peak_bytes", s.peak_bytes},
+              {"phase_peaks", phases},
+              {"steady", s.steady},
+              {"batches", s.step_seconds.size()},
+              {"samples", s.samples},
+              {"train_seconds", s.train_seconds},
+              {"samples_per_second", s.train_seconds > 0 ? s.samples / s.train_seconds : 0.0},
+              {"step_seconds", {{"median", percentile(steady, 0.5)},
+                                {"p10", percentile(steady, 0.1)},
+                                {"p90", percentile(steady, 0.9)}}},
+              {"loss", s.last_epoch_loss}};
+    if (s.valid_accuracy >= 0) j["valid_accuracy"] = s.valid_accuracy;
+    stages.push_back(j);
+    peak = std::max(peak, s.peak_bytes);
+    total_seconds += s.train_seconds;
+    total_samples += s.samples;
+  }
+  json phases;
+  const auto& pp = MemoryMeter::get().phase_peaks();
+  for (Phase p : kAllPhases) phases[std::string(to_string(p))] = pp[static_cast<size_t>(p)];
+  json out = {{"stages", stages},
+              {"peak_bytes", peak},
+              {"phase_peaks", phases},
+              {"iterations", iteration_},
+              {"optimizer_steps", steps_},
+              {"train_seconds", total_seconds},
+              {"samples_per_second", total_seconds > 0 ? total_samples / total_seconds : 0.0},
+              {"step_seconds", {{"median", percentile(all_steps, 0.5)},
+                                {"p10", percentile(all_steps, 0.1)},
+                                {"p90", percentile(all_steps, 0.9)}}},
+              {"final_loss", stage_stats_.empty() ? 0.0 : stage_stats_.back().last_epoch_loss}};
+  if (valid_accuracy_ >= 0) out["valid_accuracy"] = valid_accuracy_;
+  return out;
+}
+
+}  // namespace frugal

@@ -1,0 +1,305 @@
+#include "frugal/memory.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <nlohmann/json.hpp>
+
+#include "frugal/compat.h"
+#include "frugal/error.h"
+
+namespace frugal {
+
+std::string_view to_string(Phase p) {
+  switch (p) {
+    case Phase::Forward: return "forward";
+    case Phase::Backward: return "backward";
+    case Phase::Step: return "step";
+    case Phase::Validate: return "validate";
+  }
+  return "unknown";
+}
+
+void to_json(nlohmann::json& j, const MemoryBreakdown& b) {
+  j = {{"parameters", b.parameters},   {"gradients", b.gradients},
+       {"optimizer_state", b.optimizer_state}, {"activations", b.activations},
+       {"data", b.data},               {"other", b.other},             {"total", b.total()}};
+}
+
+namespace {
+
+// ---- the tracking CPU allocator ----
+// Live bytes are the sum over a pointer -> size map, kept under one mutex. Peaks are kept
+// for the process (slot kWindows) and for each window slot.
+struct Tracker {
+  std::mutex m;
+  std::unordered_map<void*, size_t> sizes;
+  int64_t current = 0;
+  int64_t allocations = 0;
+  std::array<int64_t, MemoryMeter::kWindows + 1> peaks{};  // last = process peak
+
+  void add(void* p, size_t n) {
+    std::lock_guard<std::mutex> g(m);
+    sizes.emplace(p, n);
+    current += static_cast<int64_t>(n);
+    ++allocations;
+    for (auto& pk : peaks) pk = std::max(pk, current);
+  }
+  void remove(void* p) {
+    std::lock_guard<std::mutex> g(m);
+    auto it = sizes.find(p);
+    if (it == sizes.end()) return;  // allocated before install by another allocator's path
+    current -= static_cast<int64_t>(it->second);
+    sizes.erase(it);
+  }
+};
+
+Tracker& tracker() {
+  static auto* t = new Tracker();  // never destroyed: tensors may die after main returns
+  return *t;
+}
+
+void tracked_delete(void* p) {
+  if (!p) return;
+  tracker().remove(p);
+  c10::free_cpu(p);
+}
+
+class TrackingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
+    if (n == 0) return {nullptr, nullptr, &tracked_delete, c10::Device(c10::DeviceType::CPU)};
+    void* p = c10::alloc_cpu(n);
+    tracker().add(p, n);
+    // The context is the data pointer and raw_deleter() is set: raw_allocate works
+    // (oneDNN's bfloat16 kernels call it).
+    return {p, p, &tracked_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &tracked_delete; }
+  FRUGAL_ALLOCATOR_COPY_DATA
+};
+
+std::once_flag g_install_once;
+bool g_installed = false;
+
+#ifdef FRUGAL_WITH_CUDA
+// The caching allocator has one peak statistic; windows are kept exact by folding that peak
+// into every slot before each reset.
+struct CudaWindows {
+  std::mutex m;
+  std::array<int64_t, MemoryMeter::kWindows + 1> stored{};
+  void reset_slot(int device, int slot) {
+    std::lock_guard<std::mutex> g(m);
+    auto s = compat::cuda_stats(device);
+    for (auto& v : stored) v = std::max(v, s.allocated_peak);
+    compat::cuda_reset_peak(device);
+    stored[slot] = s.allocated;
+  }
+  int64_t peak(int device, int slot) {
+    std::lock_guard<std::mutex> g(m);
+    return std::max(stored[slot], compat::cuda_stats(device).allocated_peak);
+  }
+};
+CudaWindows& cuda_windows() {
+  static CudaWindows w;
+  return w;
+}
+#endif
+
+}  // namespace
+
+// ---- byte accounting of module, gradient and optimizer tensors ----
+
+int64_t parameter_bytes(const torch::nn::Module& m) {
+  int64_t total = 0;
+  for (const auto& p : m.parameters()) total += static_cast<int64_t>(p.nbytes());
+  for (const auto& b : m.buffers()) total += static_cast<int64_t>(b.nbytes());
+  return total;
+}
+
+int64_t gradient_bytes(const torch::nn::Module& m) {
+  int64_t total = 0;
+  for (const auto& p : m.parameters())
+    if (p.grad().defined()) total += static_cast<int64_t>(p.grad().nbytes());
+  return total;
+}
+
+namespace {
+int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
+}  // namespace
+
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt) {
+  int64_t total = 0;
+  for (const auto& kv : opt.state()) {
+    const auto* s = kv.second.get();
+    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
+      total += bytes_of(a->exp_avg()) + bytes_of(a->exp_avg_sq()) + bytes_of(a->max_exp_avg_sq());
+    } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
+      total += bytes_of(w->exp_avg()) + bytes_of(w->exp_avg_sq()) + bytes_of(w->max_exp_avg_sq());
+    } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
+      total += bytes_of(g->momentum_buffer());
+    } else if (auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
+      total += bytes_of(r->square_avg()) + bytes_of(r->momentum_buffer()) + bytes_of(r->grad_avg());
+    } else if (auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
+      total += bytes_of(d->sum());
+    }
+  }
+  return total;
+}
+
+// ---- MemoryMeter ----
+
+MemoryMeter& MemoryMeter::get() {
+  static auto* m = new MemoryMeter();
+  return *m;
+}
+
+void MemoryMeter::install() {
+  std::call_once(g_install_once, [] {
+    static auto* alloc = new TrackingAllocator();
+    c10::SetCPUAllocator(alloc, /*priority=*/100);
+    g_installed = true;
+  });
+}
+
+bool MemoryMeter::installed() { return g_installed; }
+
+void MemoryMeter::set_device(const torch::Device& d) {
+#ifndef FRUGAL_WITH_CUDA
+  if (d.is_cuda())
+    throw_usage_error("this frugal was built with a LibTorch without CUDA; use device = \"cpu\"");
+#endif
+  device_ = d;
+}
+
+int64_t MemoryMeter::current() const {
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return compat::cuda_stats(device_.index() < 0 ? 0 : device_.index()).allocated;
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  return tracker().current;
+}
+
+int64_t MemoryMeter::peak() const {
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return cuda_windows().peak(std::max<int>(device_.index(), 0), kWindows);
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  return tracker().peaks[kWindows];
+}
+
+void MemoryMeter::reset_peak() {
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return cuda_windows().reset_slot(std::max<int>(device_.index(), 0), kWindows);
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  tracker().peaks[kWindows] = tracker().current;
+}
+
+int64_t MemoryMeter::reserved() const {
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return compat::cuda_stats(std::max<int>(device_.index(), 0)).reserved;
+#endif
+  return current();
+}
+
+int64_t MemoryMeter::allocations() const {
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return compat::cuda_stats(std::max<int>(device_.index(), 0)).allocations;
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  return tracker().allocations;
+}
+
+void MemoryMeter::open_window(int slot) {
+  TORCH_CHECK(slot >= 0 && slot < kWindows, "memory window slot must be in [0, ", kWindows, ")");
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return cuda_windows().reset_slot(std::max<int>(device_.index(), 0), slot);
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  tracker().peaks[slot] = tracker().current;
+}
+
+int64_t MemoryMeter::window_peak(int slot) const {
+  TORCH_CHECK(slot >= 0 && slot < kWindows, "memory window slot must be in [0, ", kWindows, ")");
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) return cuda_windows().peak(std::max<int>(device_.index(), 0), slot);
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  return tracker().peaks[slot];
+}
+
+void MemoryMeter::record_phase_peak(Phase p, int64_t bytes) {
+  auto& v = phase_peaks_[static_cast<size_t>(p)];
+  v = std::max(v, bytes);
+}
+
+void MemoryMeter::record_stage_peak(const std::string& stage, int64_t bytes) {
+  auto& v = stage_peaks_[stage];
+  v = std::max(v, bytes);
+}
+
+void MemoryMeter::clear_records() {
+  phase_peaks_.fill(0);
+  stage_peaks_.clear();
+}
+
+void MemoryMeter::empty_cache() {
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) compat::cuda_empty_cache();
+#endif
+}
+
+// ---- formatting ----
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes < 0 ? -bytes : bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  std::ostringstream os;
+  if (bytes < 0) os << '-';
+  if (u == 0)
+    os << static_cast<int64_t>(v) << " B";
+  else
+    os << std::fixed << std::setprecision(v < 10 ? 2 : 1) << v << ' ' << units[u];
+  return os.str();
+}
+
+int64_t parse_bytes(const std::string& text, const std::string& what) {
+  std::string s;
+  for (char c : text)
+    if (!std::isspace(static_cast<unsigned char>(c))) s += c;
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(s, &pos);
+  } catch (const std::exception&) {
+    pos = 0;
+  }
+  std::string unit = s.substr(pos);
+  std::transform(unit.begin(), unit.end(), unit.begin(), ::tolower);
+  static const std::pair<const char*, double> units[] = {
+      {"", 1},          {"b", 1},
+      {"kb", 1e3},      {"mb", 1e6},        {"gb", 1e9},          {"tb", 1e12},
+      {"kib", 1024.0},  {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0},
+      {"k", 1024.0},    {"m", 1048576.0},   {"g", 1073741824.0}};
+  if (pos == 0 || value < 0 || !std::isfinite(value))
+    throw_config_error("'" + what + "' must be a size such as \"512MiB\" or \"2GiB\", got \"" +
+                       text + "\"");
+  for (const auto& [name, mult] : units)
+    if (unit == name) return static_cast<int64_t>(std::llround(value * mult));
+  throw_config_error("'" + what + "' has an unknown unit \"" + unit +
+                     "\"; use B, KiB, MiB, GiB, TiB (or kB, MB, GB, TB)");
+}
+
+}  // namespace frugal

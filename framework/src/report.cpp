@@ -1,0 +1,142 @@
+#include "frugal/report.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+#include "frugal/compat.h"
+#include "frugal/config.h"
+#include "frugal/error.h"
+#include "frugal/learner.h"
+#include "frugal/version.h"
+
+namespace frugal {
+
+namespace fs = std::filesystem;
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
+    f << text;
+    f.flush();
+    if (!f) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
+  }
+  int fd = ::open(tmp.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw Error("cannot write '" + path + "': " + why);
+  }
+}
+
+void ensure_writable_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw Error("output folder '" + dir + "' cannot be created: " + ec.message() +
+                "; set run.out_dir to a writable folder");
+  const std::string probe = (fs::path(dir) / (".frugal-probe." + std::to_string(::getpid()))).string();
+  std::ofstream f(probe);
+  if (!f)
+    throw Error("output folder '" + dir + "' is not writable: " + std::strerror(errno) +
+                "; set run.out_dir to a writable folder");
+  f.close();
+  fs::remove(probe, ec);
+}
+
+nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::json& extra) {
+  nlohmann::json config;
+  {
+    std::ostringstream os;
+    os << toml::json_formatter{toml::parse(c.to_toml())};
+    config = nlohmann::json::parse(os.str());
+  }
+  nlohmann::json r = {
+      {"frugal_version", kVersion},
+      {"libtorch_version", compat::torch_version()},
+      {"device", l.device().str()},
+      {"threads", at::get_num_threads()},
+      {"config_file", c.source},
+      {"config", config},
+      {"fit", l.destroyed() ? nlohmann::json() : l.report()},
+  };
+  for (auto it = extra.begin(); extra.is_object() && it != extra.end(); ++it) r[it.key()] = it.value();
+  return r;
+}
+
+namespace {
+std::string pct(double v) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2) << 100.0 * v << '%';
+  return os.str();
+}
+std::string num(double v, int precision) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(precision) << v;
+  return os.str();
+}
+int64_t get_i(const nlohmann::json& j, const char* k) { return j.contains(k) ? j[k].get<int64_t>() : 0; }
+}  // namespace
+
+std::string report_markdown(const nlohmann::json& r) {
+  std::ostringstream md;
+  const auto& fit = r["fit"];
+  md << "# frugal run report\n\n";
+  md << "config `" << r.value("config_file", "") << "`, LibTorch " << r.value("libtorch_version", "")
+     << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads\n\n";
+  if (r.contains("error")) md << "**The run stopped with an error:** " << r["error"].get<std::string>() << "\n\n";
+  if (fit.is_null()) return md.str();
+
+  md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | valid accuracy |\n";
+  md << "|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& s : fit["stages"]) {
+    const auto& p = s["phase_peaks"];
+    const auto& t = s["step_seconds"];
+    md << "| " << s["name"].get<std::string>() << " | " << format_bytes(get_i(s, "peak_bytes")) << " | "
+       << format_bytes(get_i(p, "forward")) << " | " << format_bytes(get_i(p, "backward")) << " | "
+       << format_bytes(get_i(p, "step")) << " | " << num(1000 * t["median"].get<double>(), 1) << " ms ("
+       << num(1000 * t["p10"].get<double>(), 1) << "-" << num(1000 * t["p90"].get<double>(), 1) << ") | "
+       << num(s["samples_per_second"].get<double>(), 0) << " | " << num(s["loss"].get<double>(), 4) << " | "
+       << (s.contains("valid_accuracy") ? pct(s["valid_accuracy"].get<double>()) : "-") << " |\n";
+  }
+  md << "\nSteady state (a stage's third batch): what holds the memory\n\n";
+  md << "| stage | parameters | gradients | optimizer state | activations | data | other |\n";
+  md << "|---|---|---|---|---|---|---|\n";
+  for (const auto& s : fit["stages"]) {
+    const auto& b = s["steady"];
+    md << "| " << s["name"].get<std::string>() << " | " << format_bytes(get_i(b, "parameters")) << " | "
+       << format_bytes(get_i(b, "gradients")) << " | " << format_bytes(get_i(b, "optimizer_state"))
+       << " | " << format_bytes(get_i(b, "activations")) << " | " << format_bytes(get_i(b, "data"))
+       << " | " << format_bytes(get_i(b, "other")) << " |\n";
+  }
+  md << "\nPeak live memory " << format_bytes(get_i(fit, "peak_bytes")) << "; "
+     << num(fit["samples_per_second"].get<double>(), 0) << " samples/s over "
+     << num(fit["train_seconds"].get<double>(), 1) << " s of training; final loss "
+     << num(fit["final_loss"].get<double>(), 4);
+  if (fit.contains("valid_accuracy")) md << "; validation accuracy " << pct(fit["valid_accuracy"].get<double>());
+  md << ".\n";
+  return md.str();
+}
+
+void write_report(const std::string& dir, const nlohmann::json& report, const Config& c) {
+  fs::create_directories(dir);
+  write_file_atomic((fs::path(dir) / "config.toml").string(), c.to_toml());
+  write_file_atomic((fs::path(dir) / "report.json").string(), report.dump(2) + "\n");
+  write_file_atomic((fs::path(dir) / "report.md").string(), report_markdown(report));
+}
+
+}  // namespace frugal

@@ -1,0 +1,75 @@
+#pragma once
+// A tiny learner on synthetic data, for tests that drive the real loop through real events.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "frugal/frugal.h"
+#include "support.h"
+
+namespace frugal::test {
+
+struct TinySetup {
+  int64_t samples = 64;
+  int64_t batch_size = 16;
+  int64_t image_size = 8;
+  int64_t classes = 4;
+  int64_t valid_samples = 32;
+  std::string arch = "mlp";
+  int64_t width = 16;
+  int64_t depth = 1;
+  double dropout = 0.0;
+  std::string optimizer = "adam";
+  double lr = 1e-2;
+  bool shuffle = true;
+  uint64_t seed = 0;
+};
+
+inline std::unique_ptr<Learner> make_tiny_learner(const TinySetup& s = {}) {
+  torch::manual_seed(s.seed);
+  Dataset train = make_synthetic(s.samples, 1, s.image_size, s.image_size, s.classes, 1);
+  std::optional<DataLoader> valid;
+  if (s.valid_samples > 0)
+    valid.emplace(make_synthetic(s.valid_samples, 1, s.image_size, s.image_size, s.classes, 2),
+                  s.valid_samples, false, 0);
+  ModelOptions mo;
+  mo.arch = s.arch;
+  mo.width = s.width;
+  mo.depth = s.depth;
+  mo.dropout = s.dropout;
+  ModelInput in;
+  in.channels = 1;
+  in.image_size = s.image_size;
+  in.num_classes = s.classes;
+  in.image_sizes = {s.image_size};
+  OptimizerOptions oo;
+  oo.name = s.optimizer;
+  oo.lr = s.lr;
+  return std::make_unique<Learner>(make_model(mo, in),
+                                   DataLoader(std::move(train), s.batch_size, s.shuffle, s.seed),
+                                   std::move(valid), oo, make_loss(LossOptions{}));
+}
+
+inline Stage make_stage(const std::string& name, int64_t epochs,
+                        std::vector<std::string> freeze = {}) {
+  Stage s;
+  s.name = name;
+  s.epochs = epochs;
+  s.freeze = std::move(freeze);
+  return s;
+}
+
+inline std::vector<torch::Tensor> clone_params(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+inline bool params_equal(torch::nn::Module& m, const std::vector<torch::Tensor>& ref) {
+  auto ps = m.parameters();
+  for (size_t i = 0; i < ps.size(); ++i)
+    if (!torch::equal(ps[i].detach(), ref[i])) return false;
+  return true;
+}
+
+}  // namespace frugal::test

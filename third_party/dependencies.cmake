@@ -1,0 +1,28 @@
+# Finds every dependency with find_package; all come from Debian 12 packages
+# (third_party/install-deps.sh installs the missing ones). LibTorch 2.x with CUDA is used
+# instead of Debian's 1.13 CPU build when CMAKE_PREFIX_PATH points at it.
+find_package(Torch REQUIRED)
+find_package(tomlplusplus REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(nlohmann_json 3 REQUIRED)
+find_package(ZLIB REQUIRED)
+find_package(Threads REQUIRED)
+# Boost.DLL is header-only; with BOOST_DLL_USE_STD_FS no Boost library is linked.
+find_package(Boost 1.70 REQUIRED)
+if(FRUGAL_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+
+# CUDA-only code is compiled only when this LibTorch has CUDA.
+find_library(FRUGAL_C10_CUDA c10_cuda HINTS "${TORCH_INSTALL_PREFIX}/lib" NO_DEFAULT_PATH)
+if(FRUGAL_C10_CUDA)
+  set(FRUGAL_WITH_CUDA ON)
+else()
+  set(FRUGAL_WITH_CUDA OFF)
+endif()
+message(STATUS "frugal: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUDA: ${FRUGAL_WITH_CUDA}")
+
+# Debian's libtorch-dev exports imported targets without the C++ ABI flag set by pip wheels;
+# TORCH_CXX_FLAGS carries it (-D_GLIBCXX_USE_CXX11_ABI=...).
+separate_arguments(FRUGAL_TORCH_CXX_FLAGS UNIX_COMMAND "${TORCH_CXX_FLAGS}")

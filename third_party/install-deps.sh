@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs, from Debian 12's packages, whatever frugal needs that this machine lacks.
+# Idempotent: when everything is present it only checks (a few seconds) and installs nothing.
+# Usage: bash third_party/install-deps.sh [--no-data]
+set -euo pipefail
+
+pkgs=(
+  build-essential cmake ninja-build pkg-config
+  libtorch-dev            # LibTorch 1.13.1, CPU (any LibTorch 2.x also builds: CMAKE_PREFIX_PATH)
+  libopenblas0-pthread    # without it Debian's torch falls back to reference BLAS (several times slower)
+  libboost-dev            # Boost.DLL, header-only (BOOST_DLL_USE_STD_FS)
+  libtomlplusplus-dev libspdlog-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev
+  gnuplot-nox             # plots in reports; optional at run time
+)
+[ "${1:-}" = "--no-data" ] || pkgs+=(dataset-fashion-mnist)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#pkgs[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
