@@ -1,6 +1,7 @@
 // The `frugal` command: train, check.
 #include <unistd.h>
 
+#include <functional>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
@@ -61,6 +62,43 @@ int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
   return rc;
 }
 
+// Every key of the run configuration with its type, default, allowed values and help:
+// the README's configuration reference is this command's output.
+int run_keys(bool json) {
+  frugal::RunOptions run;
+  frugal::DataOptions data;
+  frugal::ModelOptions model;
+  frugal::OptimizerOptions optimizer;
+  frugal::LossOptions loss;
+  frugal::StageOptions stage;
+  std::vector<std::pair<std::string, frugal::Options*>> sections = {
+      {"run", &run}, {"data", &data}, {"model", &model}, {"optimizer", &optimizer},
+      {"loss", &loss}, {"[stages]", &stage}};
+  nlohmann::json all = nlohmann::json::object();
+  for (auto& [name, o] : sections) all[name] = frugal::describe_options(*o);
+  if (json) {
+    std::cout << all.dump(2) << "\n";
+    return 0;
+  }
+  std::function<void(const std::string&, const nlohmann::json&)> table;
+  table = [&](const std::string& section, const nlohmann::json& fields) {
+    std::cout << "\n### [" << section << "]\n\n| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+    std::vector<std::pair<std::string, nlohmann::json>> nested;
+    for (const auto& f : fields) {
+      if (f.value("type", "") == "table") {
+        nested.emplace_back(section + "." + f["key"].get<std::string>(), f["fields"]);
+        continue;
+      }
+      std::cout << "| `" << f["key"].get<std::string>() << "` | " << f.value("type", "") << " | `"
+                << f["default"].dump() << "` | " << f.value("allowed", "") << " | "
+                << f.value("help", "") << " |\n";
+    }
+    for (auto& [n, fs] : nested) table(n, fs);
+  };
+  for (auto& [name, o] : sections) table(name, all[name]);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,6 +119,10 @@ int main(int argc, char** argv) {
   auto* check = app.add_subcommand("check", "validate a TOML file without training");
   add_common(check, check_opt);
 
+  bool keys_json = false;
+  auto* keys = app.add_subcommand("keys", "list every configuration key with its default (Markdown)");
+  keys->add_flag("--json", keys_json, "print JSON instead");
+
   CLI11_PARSE(app, argc, argv);
 
   auto log = spdlog::stderr_color_mt("frugal");
@@ -90,6 +132,7 @@ int main(int argc, char** argv) {
   try {
     if (*train) return run_train(train_opt, log);
     if (*check) return run_check(check_opt, *log);
+    if (*keys) return run_keys(keys_json);
   } catch (const frugal::ConfigError& e) {
     log->error("{}", e.what());
     return 2;

@@ -1,0 +1,104 @@
+// The `frugal` command end to end: a tiny synthetic run writes its report; bad input stops
+// with a clear error and exit code before any work.
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_support.h"
+#include "support.h"
+
+namespace frugal::test {
+namespace {
+
+std::string tiny_config(const std::string& out_dir) {
+  return "[run]\nout_dir = \"" + out_dir + "\"\nprogress = \"log\"\nthreads = 1\n"
+         "[data]\ndataset = \"synthetic\"\nsamples = 128\nimage_size = 8\nclasses = 4\nbatch_size = 32\n"
+         "[model]\narch = \"mlp\"\nwidth = 16\ndepth = 1\n"
+         "[optimizer]\nlr = 0.01\n"
+         "[[stages]]\nname = \"first\"\nepochs = 1\nfreeze = [\"stem\"]\n"
+         "[[stages]]\nname = \"second\"\nepochs = 1\n";
+}
+
+TEST(Cli, TrainWritesReportResolvedConfigAndPrintsTheMemoryReport) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  write_text(dir.file("run.toml"), tiny_config(out));
+  auto r = run_cli("train " + dir.file("run.toml") + " --set optimizer.lr=0.02");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("Peak live memory"), std::string::npos) << r.output;
+  auto report = nlohmann::json::parse(read_text(out + "/report.json"));
+  EXPECT_EQ(report["fit"]["stages"].size(), 2u);
+  EXPECT_GT(report["fit"]["peak_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(report["config"]["optimizer"]["lr"].get<double>(), 0.02);  // --set took effect
+  EXPECT_TRUE(report["fit"].contains("valid_accuracy"));
+  const std::string resolved = read_text(out + "/config.toml");
+  EXPECT_NE(resolved.find("lr = 0.02"), std::string::npos) << resolved;
+  EXPECT_NE(resolved.find("batch_size = 32"), std::string::npos) << resolved;
+  EXPECT_TRUE(std::filesystem::exists(out + "/report.md"));
+}
+
+TEST(Cli, CheckReportsUnknownKeyWithLineAndExitCode2) {
+  TempDir dir;
+  write_text(dir.file("bad.toml"), "[data]\nbatchsize = 3\n");
+  auto r = run_cli("check " + dir.file("bad.toml"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("bad.toml:2:1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("did you mean 'data.batch_size'"), std::string::npos) << r.output;
+}
+
+TEST(Cli, ImpossibleSizesAreRefusedBeforeAnyWork) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  write_text(dir.file("run.toml"), tiny_config(out));
+  for (const std::string set : {"data.batch_size=0", "stages.0.image_size=0.5", "stages.1.epochs=-1"}) {
+    auto r = run_cli("train " + dir.file("run.toml") + " --set " + set);
+    EXPECT_EQ(r.exit_code, 2) << set << "\n" << r.output;
+    EXPECT_NE(r.output.find("--set " + set), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out)) << "no work may start on bad input";
+}
+
+TEST(Cli, UnknownModelNamesTheKeyAndTheNearestModel) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), tiny_config(dir.file("out")));
+  auto r = run_cli("check " + dir.file("run.toml") + " --set model.arch=resnt");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("model.arch"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("did you mean 'resnet'"), std::string::npos) << r.output;
+}
+
+TEST(Cli, MissingConfigAndMissingDatasetAreClearErrors) {
+  TempDir dir;
+  auto r = run_cli("check " + dir.file("nope.toml"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("nope.toml"), std::string::npos) << r.output;
+
+  write_text(dir.file("fm.toml"), "[run]\nout_dir = \"" + dir.file("out") +
+                                       "\"\n[data]\ndataset = \"fashion-mnist\"\npath = \"" +
+                                       dir.file("no-such-dir") + "\"\n");
+  r = run_cli("train " + dir.file("fm.toml"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("apt-get install dataset-fashion-mnist"), std::string::npos) << r.output;
+}
+
+TEST(Cli, UnwritableOutputFolderIsReportedBeforeTraining) {
+  // A path under a regular file can never be a folder, even for root.
+  TempDir dir;
+  write_text(dir.file("file"), "x");
+  write_text(dir.file("run.toml"), tiny_config(dir.file("file") + "/out"));
+  auto r = run_cli("train " + dir.file("run.toml"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("output folder"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("training mlp"), std::string::npos) << "training must not start: " << r.output;
+}
+
+TEST(Cli, HelpWorksEverywhere) {
+  for (const std::string sub : {"", "train ", "check "}) {
+    auto r = run_cli(sub + "--help");
+    EXPECT_EQ(r.exit_code, 0) << sub;
+    EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace frugal::test
