@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -17,10 +18,12 @@ struct CliResult {
   std::string output;  // stdout and stderr together
 };
 
-/// The CLI binary ctest points FRUGAL_CLI at.
+/// The CLI: $FRUGAL_CLI, else the `frugal` built beside this test binary (both in build/bin).
 inline std::string cli_path() {
-  const char* p = std::getenv("FRUGAL_CLI");
-  return p ? p : "frugal";
+  if (const char* p = std::getenv("FRUGAL_CLI")) return p;
+  std::error_code ec;
+  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? "frugal" : (self.parent_path() / "frugal").string();
 }
 
 inline CliResult run_cli(const std::string& args, const std::string& env = "") {

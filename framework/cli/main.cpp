@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "frugal/frugal.h"
+#include "frugal/plugin_host.h"
 #include "frugal/progress.h"
 #include "frugal/run.h"
 
@@ -24,28 +25,64 @@ void add_common(CLI::App* cmd, Common& c) {
   cmd->add_option("--set", c.sets, "override a key, e.g. --set data.batch_size=64 (repeatable)");
 }
 
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out.empty() ? "none" : out;
+}
+
 int run_check(const Common& opt, spdlog::logger& log) {
   frugal::Config cfg = frugal::load_config(opt.config, opt.sets);
+  // Plugins load first: they may register the models, datasets or losses the config names.
+  frugal::PluginHost host(frugal::PluginHost::config_paths(cfg.plugins, cfg.source));
+  auto callbacks = host.load(cfg.plugins, cfg.source);
   frugal::check_config(cfg);
-  log.info("{}: OK ({} stage(s), model {}, dataset {})", opt.config, cfg.stages.size(),
-           cfg.model.arch, cfg.data.dataset);
+  log.info("{}: OK ({} stage(s), model {}, dataset {}, plugins: {})", opt.config, cfg.stages.size(),
+           cfg.model.arch, cfg.data.dataset, joined(host.loaded()));
+  return 0;
+}
+
+int run_plugins(const std::vector<std::string>& paths, bool json) {
+  frugal::PluginHost host(paths);
+  std::vector<std::string> problems;
+  auto found = host.discover(&problems);
+  if (json) {
+    nlohmann::json out = {{"plugins", found}, {"search_path", host.search_path()}, {"problems", problems}};
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "Searched: " << joined(host.search_path()) << "\n";
+  if (found.empty()) std::cout << "No plugins found.\n";
+  for (const auto& d : found) {
+    std::cout << "\n" << d.name << " " << d.version << ": " << d.description << "\n  " << d.path
+              << " (ABI " << d.abi_version << ", LibTorch " << d.torch_version << ")\n";
+    for (const auto& o : d.options)
+      std::cout << "  " << o.value("key", "") << " = " << o["default"].dump() << "  ("
+                << o.value("allowed", "") << ") " << o.value("help", "") << "\n";
+  }
+  for (const auto& p : problems) std::cout << "\nnot loadable: " << p << "\n";
   return 0;
 }
 
 int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
   // Everything the config names is validated, and the output folder probed, before any work.
   frugal::Config cfg = frugal::load_config(opt.config, opt.sets);
+  // The host outlives the learner: models a plugin registered die before their library.
+  frugal::PluginHost host(frugal::PluginHost::config_paths(cfg.plugins, cfg.source));
+  auto plugin_callbacks = host.load(cfg.plugins, cfg.source);
   frugal::check_config(cfg);
   frugal::ensure_writable_dir(cfg.run.out_dir);
 
   auto learner = frugal::make_learner(cfg);
+  for (auto& cb : plugin_callbacks) learner->add_callback(cb);
+  log->info("plugins: {}", joined(host.loaded()));
   learner->add_callback(std::make_shared<frugal::ProgressCallback>(
       frugal::ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
   log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
             cfg.data.dataset, learner->train_data().dataset().size(), cfg.data.batch_size,
             learner->device().str(), at::get_num_threads(), frugal::compat::torch_version());
 
-  nlohmann::json extra;
+  nlohmann::json extra = {{"plugins", host.loaded()}};
   int rc = 0;
   try {
     learner->fit(cfg.stages);
@@ -119,6 +156,12 @@ int main(int argc, char** argv) {
   auto* check = app.add_subcommand("check", "validate a TOML file without training");
   add_common(check, check_opt);
 
+  bool plugins_json = false;
+  std::vector<std::string> plugin_paths;
+  auto* plugins = app.add_subcommand("plugins", "list the plugins found, with their options and defaults");
+  plugins->add_flag("--json", plugins_json, "print JSON instead");
+  plugins->add_option("--path", plugin_paths, "also search this folder (repeatable)");
+
   bool keys_json = false;
   auto* keys = app.add_subcommand("keys", "list every configuration key with its default (Markdown)");
   keys->add_flag("--json", keys_json, "print JSON instead");
@@ -128,12 +171,17 @@ int main(int argc, char** argv) {
   auto log = spdlog::stderr_color_mt("frugal");
   log->set_level(spdlog::level::from_str(level));
   log->set_pattern("%^[%H:%M:%S %l]%$ %v");
+  spdlog::set_default_logger(log);  // plugins' loggers share its sinks and level
 
   try {
     if (*train) return run_train(train_opt, log);
     if (*check) return run_check(check_opt, *log);
     if (*keys) return run_keys(keys_json);
+    if (*plugins) return run_plugins(plugin_paths, plugins_json);
   } catch (const frugal::ConfigError& e) {
+    log->error("{}", e.what());
+    return 2;
+  } catch (const frugal::PluginError& e) {
     log->error("{}", e.what());
     return 2;
   } catch (const std::exception& e) {

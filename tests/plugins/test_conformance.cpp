@@ -1,0 +1,82 @@
+// Every plugin in the build's plugin folder (build/lib/frugal/plugins) joins this test without
+// editing it: it loads with default options, runs a tiny two-stage CPU fit, and unloads
+// leaving no registry entry behind (Composer's algorithm_settings.py, for frugal).
+#include <cmath>
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "frugal/plugin_host.h"
+#include "learner_fixture.h"
+
+namespace frugal::test {
+namespace {
+
+/// The plugins built into this build's plugin folder (not the installed or FRUGAL_PLUGIN_PATH
+/// ones), and the problems discover() found there.
+std::vector<PluginDescription> built_plugins(std::vector<std::string>& problems) {
+  const std::filesystem::path dir = FRUGAL_TEST_PLUGIN_DIR;
+  PluginHost host;
+  std::vector<std::string> all_problems;
+  std::vector<PluginDescription> out;
+  for (auto& d : host.discover(&all_problems))
+    if (std::filesystem::path(d.path).parent_path() == dir) out.push_back(std::move(d));
+  for (auto& p : all_problems)
+    if (p.find(dir.string()) != std::string::npos) problems.push_back(p);
+  return out;
+}
+
+template <class R>
+std::vector<std::string> sorted_names(const R& registry) {
+  auto n = registry.names();
+  std::sort(n.begin(), n.end());
+  return n;
+}
+
+TEST(PluginConformance, EveryBuiltPluginLoadsFitsAndUnloads) {
+  std::vector<std::string> problems;
+  const auto plugins = built_plugins(problems);
+  for (const auto& p : problems) ADD_FAILURE() << "not a loadable plugin: " << p;
+  if (plugins.empty()) {
+    std::cout << "[conformance] no plugins in " << FRUGAL_TEST_PLUGIN_DIR
+              << " yet: nothing to check\n";
+    return;
+  }
+  for (const auto& d : plugins) {
+    SCOPED_TRACE("plugin '" + d.name + "' (" + d.path + ")");
+    EXPECT_FALSE(d.description.empty()) << "a plugin describes itself in one line";
+    EXPECT_FALSE(d.version.empty());
+    EXPECT_EQ(d.abi_version, kAbiVersion);
+    for (const auto& o : d.options) EXPECT_FALSE(o["help"].get<std::string>().empty()) << o.dump();
+
+    const auto models_before = sorted_names(models());
+    const auto datasets_before = sorted_names(datasets());
+    const auto losses_before = sorted_names(losses());
+    {
+      PluginHost host;
+      toml::table plugins;
+      plugins.insert(d.name, toml::table{});  // [plugins.<name>] with every default
+      std::vector<std::shared_ptr<Callback>> cbs;
+      ASSERT_NO_THROW(cbs = host.load(plugins, "conformance.toml"));
+      ASSERT_FALSE(cbs.empty());
+      EXPECT_EQ(host.loaded(), std::vector<std::string>{d.name});
+
+      auto learner = make_tiny_learner();
+      for (auto& cb : cbs) learner->add_callback(cb);
+      cbs.clear();
+      ASSERT_NO_THROW(learner->fit({make_stage("one", 1), make_stage("two", 1)}));
+      EXPECT_GT(learner->iteration(), 0);
+      ASSERT_EQ(learner->stage_stats().size(), 2u);
+      for (const auto& s : learner->stage_stats())
+        EXPECT_TRUE(std::isfinite(s.last_epoch_loss)) << "stage " << s.name;
+      learner.reset();  // callbacks and models die before the host unloads the library
+    }
+    EXPECT_EQ(sorted_names(models()), models_before) << "models left behind after unload";
+    EXPECT_EQ(sorted_names(datasets()), datasets_before);
+    EXPECT_EQ(sorted_names(losses()), losses_before);
+    if (!::testing::Test::HasFailure()) std::cout << "[conformance] " << d.name << ": OK\n";
+  }
+}
+
+}  // namespace
+}  // namespace frugal::test

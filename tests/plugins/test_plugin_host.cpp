@@ -1,0 +1,362 @@
+// The plugin loader, driven with fixture plugins (tests/plugins/fixtures) through real fits.
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
+#include "frugal/plugin_host.h"
+#include "learner_fixture.h"
+
+namespace frugal::test {
+namespace {
+
+const std::string kFixtures = FRUGAL_TEST_FIXTURE_DIR;
+
+/// The [plugins] table of a TOML text (positions kept: errors show line:column).
+toml::table plugins_of(const std::string& text, const std::string& source = "cfg.toml") {
+  toml::table root = toml::parse(text, source);
+  toml::table* p = root["plugins"].as_table();
+  return p ? std::move(*p) : toml::table{};
+}
+
+/// Makes the default logger write into a string while it lives (plugin loggers share its sinks).
+class LogCapture {
+ public:
+  LogCapture() : old_(spdlog::default_logger()) {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
+    sink->set_pattern("%n: %v");
+    auto log = std::make_shared<spdlog::logger>("capture", sink);
+    log->set_level(spdlog::level::debug);
+    spdlog::set_default_logger(log);
+  }
+  ~LogCapture() { spdlog::set_default_logger(old_); }
+  std::string text() const { return out_.str(); }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::logger> old_;
+};
+
+/// Sets an environment variable while it lives.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_.empty())
+      unsetenv(name_);
+    else
+      setenv(name_, old_.c_str(), 1);
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+};
+
+template <class E, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+std::vector<Stage> two_stages() { return {make_stage("one", 1), make_stage("two", 1)}; }
+
+/// `text` contains `part` (prints both when not).
+::testing::AssertionResult Has(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "'" << part << "' not in:\n" << text;
+}
+
+TEST(PluginHost, GoodPluginRunsInARealFitWithItsOptions) {
+  LogCapture cap;
+  auto learner = make_tiny_learner();  // 64 samples, batches of 16: 4 batches per epoch
+  {
+    PluginHost host({kFixtures});
+    auto cbs = host.load(plugins_of("[plugins.fixture_counter]\nevery = 3\n"), "cfg.toml");
+    ASSERT_EQ(cbs.size(), 1u);
+    EXPECT_EQ(cbs[0]->name(), "fixture_counter");
+    EXPECT_EQ(host.loaded(), std::vector<std::string>{"fixture_counter"});
+    for (auto& cb : cbs) learner->add_callback(cb);
+    learner->fit(two_stages());
+    learner->clear_callbacks();
+  }
+  // 8 batches, a mark every 3rd: the option reached the plugin; its logger is named after it.
+  EXPECT_TRUE(Has(cap.text(), "fixture_counter: counted 8 batches, 2 marks, 8 steps"));
+}
+
+TEST(PluginHost, CallbackKeepsItsLibraryLoadedAfterTheHostIsGone) {
+  LogCapture cap;
+  auto learner = make_tiny_learner();
+  std::vector<std::shared_ptr<Callback>> cbs;
+  {
+    PluginHost host({kFixtures});
+    cbs = host.load(plugins_of("[plugins.fixture_counter]\n"), "cfg.toml");
+  }
+  for (auto& cb : cbs) learner->add_callback(cb);
+  cbs.clear();
+  learner->fit(1);
+  EXPECT_TRUE(Has(cap.text(), "counted 4 batches, 4 marks"));
+  learner->clear_callbacks();  // the last reference: the library unloads here
+}
+
+TEST(PluginHost, UnknownOptionNamesLineColumnAndNearestKey) {
+  PluginHost host({kFixtures});
+  const std::string text = "[plugins.fixture_counter]\nevry = 2\n";
+  EXPECT_EQ(error_of<ConfigError>([&] { host.load(plugins_of(text), "cfg.toml"); }),
+            "cfg.toml:2:1: unknown key 'plugins.fixture_counter.evry'; did you mean "
+            "'plugins.fixture_counter.every'? Allowed keys in [plugins.fixture_counter]: enabled, "
+            "every, order");
+  EXPECT_TRUE(host.loaded().empty());
+}
+
+TEST(PluginHost, WrongTypeAndOutOfRangeOptionsAreConfigErrors) {
+  PluginHost host({kFixtures});
+  EXPECT_EQ(error_of<ConfigError>([&] {
+              host.load(plugins_of("[plugins.fixture_counter]\nevery = \"two\"\n"), "cfg.toml");
+            }),
+            "cfg.toml:2:9: 'plugins.fixture_counter.every' must be an integer >= 1, got string "
+            "\"two\"");
+  EXPECT_TRUE(Has(error_of<ConfigError>([&] {
+                host.load(plugins_of("[plugins.fixture_counter]\nevery = 0\n"), "cfg.toml");
+              }),
+              "cfg.toml:2:9: 'plugins.fixture_counter.every' must be an integer >= 1"));
+  EXPECT_TRUE(Has(error_of<ConfigError>([&] {
+                host.load(plugins_of("[plugins]\nfixture_counter = true\n"), "cfg.toml");
+              }),
+              "cfg.toml:2:19: 'plugins.fixture_counter' must be a table"));
+  EXPECT_TRUE(Has(error_of<ConfigError>([&] {
+                host.load(plugins_of("[plugins.fixture_counter]\nenabled = \"no\"\n"), "cfg.toml");
+              }),
+              "cfg.toml:2:11: 'plugins.fixture_counter.enabled' must be true or false"));
+}
+
+TEST(PluginHost, EnabledFalseKeepsAPluginOffEvenWhenItIsNotInstalled) {
+  PluginHost host({kFixtures});
+  auto cbs = host.load(plugins_of("[plugins.fixture_counter]\nenabled = false\nevery = 2\n"
+                                  "[plugins.not_installed_anywhere]\nenabled = false\n"),
+                       "cfg.toml");
+  EXPECT_TRUE(cbs.empty());
+  EXPECT_TRUE(host.loaded().empty());
+  // `enabled = true` is accepted and not passed on as a plugin option.
+  EXPECT_EQ(host.load(plugins_of("[plugins.fixture_counter]\nenabled = true\n"), "cfg.toml").size(), 1u);
+}
+
+TEST(PluginHost, NotFoundSuggestsTheNearestAndListsWhatWasSearched) {
+  ScopedEnv env("FRUGAL_PLUGIN_PATH", "/nonexistent/frugal-plugins");
+  PluginHost host({kFixtures});
+  const std::string msg = error_of<PluginError>(
+      [&] { host.load(plugins_of("[plugins.fixture_countr]\n"), "cfg.toml"); });
+  EXPECT_TRUE(Has(msg, "cfg.toml:1:1: plugin 'fixture_countr' not found; did you mean "
+                             "'fixture_counter'? Available: "));
+  EXPECT_TRUE(Has(msg, "fixture_bad_abi, fixture_counter, fixture_faulty, fixture_models"));
+  EXPECT_TRUE(Has(msg, "Searched: "));
+  EXPECT_TRUE(Has(msg, kFixtures));
+  EXPECT_TRUE(Has(msg, FRUGAL_TEST_PLUGIN_DIR));
+  EXPECT_TRUE(Has(msg, "(FRUGAL_PLUGIN_PATH: /nonexistent/frugal-plugins)"));
+}
+
+TEST(PluginHost, LibraryWithoutTheExportIsNotAPlugin) {
+  PluginHost host({kFixtures});
+  EXPECT_EQ(error_of<PluginError>(
+                [&] { host.load(plugins_of("[plugins.fixture_not_plugin]\n"), "cfg.toml"); }),
+            "'" + kFixtures + "/libfrugal_fixture_not_plugin.so' is not a frugal plugin (no "
+            "'frugal_plugin' symbol): a plugin exports one with FRUGAL_PLUGIN(...) from "
+            "frugal/plugin.h");
+}
+
+TEST(PluginHost, AbiMismatchShowsBothVersions) {
+  PluginHost host({kFixtures});
+  EXPECT_EQ(error_of<PluginError>(
+                [&] { host.load(plugins_of("[plugins.fixture_bad_abi]\n"), "cfg.toml"); }),
+            "plugin 'fixture_bad_abi' (" + kFixtures + "/libfrugal_fixture_bad_abi.so) was built "
+            "for plugin ABI 999, this frugal has ABI " + std::to_string(kAbiVersion) +
+            ": rebuild it against this frugal");
+}
+
+TEST(PluginHost, LibTorchMismatchShowsBothVersions) {
+  PluginHost host({kFixtures});
+  const std::string msg = error_of<PluginError>(
+      [&] { host.load(plugins_of("[plugins.fixture_old_torch]\n"), "cfg.toml"); });
+  EXPECT_TRUE(Has(msg, "plugin 'fixture_old_torch'"));
+  EXPECT_TRUE(Has(msg, "was built with LibTorch 0.4.1, this frugal uses LibTorch " +
+                             std::string(compat::torch_version())));
+}
+
+TEST(PluginHost, FactoryThatThrowsIsAPluginErrorNamingThePlugin) {
+  std::string msg;
+  {
+    PluginHost host({kFixtures});
+    msg = error_of<PluginError>([&] {
+      host.load(plugins_of("[plugins.fixture_faulty]\nfail_in = \"factory\"\n"), "cfg.toml");
+    });
+  }
+  // The host is gone and the library unloaded: the message is the host's own copy.
+  EXPECT_EQ(msg, "plugin 'fixture_faulty' failed to start: refusing to start (fail_in = factory)");
+}
+
+/// Saves a checkpoint at the end of the first stage.
+class SaveAfterFirstStage : public Callback {
+ public:
+  explicit SaveAfterFirstStage(std::string path) : path_(std::move(path)) {}
+  std::string name() const override { return "save"; }
+  void after_stage(Learner& l) override {
+    if (l.stage_index() != 0) return;
+    l.save(path_);
+    saved = clone_params(*l.model());
+  }
+  std::vector<torch::Tensor> saved;
+
+ private:
+  std::string path_;
+};
+
+TEST(PluginHost, EventThatThrowsNamesPluginAndEventAndKeepsTheCheckpoint) {
+  TempDir dir;
+  const std::string ckpt = dir.file("model.pt");
+  auto learner = make_tiny_learner();
+  auto saver = std::make_shared<SaveAfterFirstStage>(ckpt);
+  learner->add_callback(saver);
+  PluginHost host({kFixtures});
+  for (auto& cb : host.load(plugins_of("[plugins.fixture_faulty]\nfail_in = \"before_step\"\n"
+                                       "after_steps = 6\n"),
+                            "cfg.toml"))
+    learner->add_callback(cb);
+  try {
+    learner->fit(two_stages());  // stage one: steps 0-3; stage two fails at step 6
+    FAIL() << "no error";
+  } catch (const CallbackError& e) {
+    EXPECT_EQ(e.callback(), "fixture_faulty");
+    EXPECT_EQ(e.event(), "before_step");
+    EXPECT_EQ(e.reason(), "boom after 6 steps");
+  }
+  ASSERT_FALSE(saver->saved.empty());
+  TinySetup other;
+  other.seed = 7;
+  auto fresh = make_tiny_learner(other);
+  ASSERT_FALSE(params_equal(*fresh->model(), saver->saved));
+  fresh->load(ckpt);
+  EXPECT_TRUE(params_equal(*fresh->model(), saver->saved));
+}
+
+TEST(PluginHost, OnLoadRegistersAModelUntilTheHostIsDestroyed) {
+  ASSERT_FALSE(models().contains("fixture_mlp"));
+  {
+    PluginHost host({kFixtures});
+    auto cbs = host.load(plugins_of("[plugins.fixture_models]\n"), "cfg.toml");
+    ASSERT_EQ(cbs.size(), 1u);
+    ASSERT_TRUE(models().contains("fixture_mlp"));
+    ModelOptions mo;
+    mo.arch = "fixture_mlp";
+    ModelInput in;
+    in.image_size = 8;
+    in.num_classes = 3;
+    auto model = make_model(mo, in);
+    EXPECT_EQ(model->forward(torch::zeros({2, 1, 8, 8})).sizes(), (std::vector<int64_t>{2, 3}));
+  }
+  EXPECT_FALSE(models().contains("fixture_mlp"));
+}
+
+TEST(PluginHost, ConflictingPluginsAreRefusedBeforeAnyRuns) {
+  PluginHost host({kFixtures});
+  EXPECT_EQ(error_of<PluginError>([&] {
+              host.load(plugins_of("[plugins.fixture_faulty]\n[plugins.fixture_models]\n"), "cfg.toml");
+            }),
+            "plugins 'fixture_faulty' and 'fixture_models' conflict: 'fixture_faulty' declares "
+            "that it cannot run together with 'fixture_models'; turn one off (enabled = false)");
+  EXPECT_FALSE(models().contains("fixture_mlp"));  // fixture_models' on_load never ran
+}
+
+TEST(PluginHost, RunsBeforeIsCheckedAgainstTheOrders) {
+  PluginHost host({kFixtures});
+  // fixture_models (order 10) must run before fixture_counter (order 0 by default).
+  EXPECT_EQ(error_of<PluginError>([&] {
+              host.load(plugins_of("[plugins.fixture_models]\n[plugins.fixture_counter]\n"), "cfg.toml");
+            }),
+            "plugin 'fixture_models' must run before 'fixture_counter', but its order is 10 and "
+            "'fixture_counter' has order 0: give 'fixture_models' a smaller order than "
+            "'fixture_counter'");
+  PluginHost ok({kFixtures});
+  auto cbs = ok.load(plugins_of("[plugins.fixture_models]\n[plugins.fixture_counter]\norder = 20\n"),
+                     "cfg.toml");
+  EXPECT_EQ(ok.loaded(), (std::vector<std::string>{"fixture_models", "fixture_counter"}));
+  ASSERT_EQ(cbs.size(), 2u);
+  EXPECT_EQ(cbs[0]->name(), "fixture_models");
+}
+
+TEST(PluginHost, DiscoverListsPluginsWithTheirOptionsAndReportsProblems) {
+  PluginHost host({kFixtures});
+  std::vector<std::string> problems;
+  const auto found = host.discover(&problems);
+  const PluginDescription* counter = nullptr;
+  for (const auto& d : found)
+    if (d.name == "fixture_counter") counter = &d;
+  ASSERT_NE(counter, nullptr);
+  EXPECT_EQ(counter->path, kFixtures + "/libfrugal_fixture_counter.so");
+  EXPECT_EQ(counter->version, "1.2.3");
+  EXPECT_EQ(counter->abi_version, kAbiVersion);
+  EXPECT_EQ(counter->torch_version, compat::torch_version());
+  ASSERT_EQ(counter->options.size(), 2u);
+  EXPECT_EQ(counter->options[0]["key"], "every");
+  EXPECT_EQ(counter->options[0]["default"], 1);
+  EXPECT_EQ(counter->options[0]["allowed"], "an integer >= 1");
+  nlohmann::json j = *counter;
+  EXPECT_EQ(j["description"], "counts batches (test fixture)");
+  for (const auto& d : found) {
+    if (d.name == "fixture_models") {
+      EXPECT_EQ(d.relations.runs_before, std::vector<std::string>{"fixture_counter"});
+    }
+  }
+
+  std::string all;
+  for (const auto& p : problems) all += p + "\n";
+  EXPECT_TRUE(Has(all, "libfrugal_fixture_not_plugin.so' is not a frugal plugin"));
+  EXPECT_TRUE(Has(all, "was built for plugin ABI 999"));
+  EXPECT_TRUE(Has(all, "was built with LibTorch 0.4.1"));
+}
+
+TEST(PluginHost, SearchPathHonoursFrugalPluginPath) {
+  ScopedEnv env("FRUGAL_PLUGIN_PATH", "/nonexistent/a:" + kFixtures);
+  PluginHost host;  // no extra folders: the fixtures come from the environment
+  const auto& sp = host.search_path();
+  ASSERT_GE(sp.size(), 3u);
+  EXPECT_EQ(sp.front(), FRUGAL_TEST_PLUGIN_DIR);  // the build's folder comes first
+  EXPECT_EQ(sp[sp.size() - 2], "/nonexistent/a");
+  EXPECT_EQ(sp.back(), kFixtures);
+  EXPECT_EQ(host.load(plugins_of("[plugins.fixture_counter]\n"), "cfg.toml").size(), 1u);
+}
+
+TEST(PluginHost, ConfigPathsResolveAgainstTheTomlFolder) {
+  EXPECT_EQ(PluginHost::config_paths(plugins_of("[plugins]\npath = \"p\"\n"), "/a/b/run.toml"),
+            std::vector<std::string>{"/a/b/p"});
+  EXPECT_EQ(PluginHost::config_paths(plugins_of("[plugins]\npath = [\"../x\", \"/abs\"]\n"),
+                                     "/a/b/run.toml"),
+            (std::vector<std::string>{"/a/x", "/abs"}));
+  EXPECT_TRUE(PluginHost::config_paths(plugins_of("[plugins.amp]\n"), "/a/run.toml").empty());
+  EXPECT_TRUE(Has(error_of<ConfigError>([] {
+                PluginHost::config_paths(plugins_of("[plugins]\npath = 3\n", "run.toml"), "run.toml");
+              }),
+              "run.toml:2:8: 'plugins.path' must be a folder or a list of folders"));
+
+  // load() searches them too: the fixtures' folder named relative to a TOML next to it.
+  const std::filesystem::path fixtures(kFixtures);
+  const std::string source = (fixtures.parent_path() / "run.toml").string();
+  const auto table = plugins_of(
+      "[plugins]\npath = \"" + fixtures.filename().string() + "\"\n[plugins.fixture_counter]\n", source);
+  PluginHost host;
+  EXPECT_EQ(host.load(table, source).size(), 1u);
+  EXPECT_EQ(host.search_path().back(), kFixtures);
+}
+
+}  // namespace
+}  // namespace frugal::test
