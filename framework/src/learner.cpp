@@ -184,10 +184,16 @@ void Learner::zero_grad() {
 
 void Learner::backward() {
   if (!loss_.defined()) throw_usage_error("backward: no loss in this batch");
-  if (loss_scale_ == 1.0)
+  const double factor = loss_scale_ * micro_weight_ * batch_weight_;
+  if (factor == 1.0)
     loss_.backward();
   else
-    (loss_ * loss_scale_).backward();
+    (loss_ * factor).backward();
+}
+
+void Learner::set_micro_batch_size(int64_t n) {
+  if (n < 0) throw_usage_error("micro-batch size must be >= 0 (0 = whole batch), got " + std::to_string(n));
+  micro_batch_size_ = n;
 }
 
 // ---------------------------------------------------------------- the loop
@@ -198,6 +204,10 @@ void Learner::reset_batch_state() {
   pred_ = torch::Tensor();
   loss_ = torch::Tensor();
   loss_scale_ = 1.0;
+  micro_index_ = 0;
+  micro_count_ = 1;
+  micro_weight_ = 1.0;
+  batch_weight_ = 1.0;
   skip_step_ = false;
   skip_batch_ = false;
 }
@@ -324,22 +334,46 @@ void Learner::train_batch(const Batch& b) {
   fire(Event::BeforeBatch);
   int64_t live_before_forward = 0, forward_peak = 0, grads = 0;
   if (!skip_batch_) {
+    // The batch (as before_batch left it) runs as one or several micro-batches.
+    const torch::Tensor bx = x_, by = y_;
+    const int64_t n = by.size(0);
+    const int64_t mbs = micro_batch_size_ > 0 && micro_batch_size_ < n ? micro_batch_size_ : n;
+    micro_count_ = (n + mbs - 1) / mbs;
+    torch::Tensor batch_loss;  // the batch's mean loss, for logging
     live_before_forward = mm.current();
-    mm.open_window(kPhaseWindow);
-    fire(Event::BeforeForward);
-    pred_ = forward(x_);
-    fire(Event::AfterForward);
-    loss_ = loss_fn_(pred_, y_);
-    fire(Event::AfterLoss);
-    forward_peak = mm.window_peak(kPhaseWindow);
-    note_phase_peak(Phase::Forward, forward_peak);
-  }
-  if (!skip_batch_) {
-    mm.open_window(kPhaseWindow);
-    fire(Event::BeforeBackward);
-    backward();
-    fire(Event::AfterBackward);
-    note_phase_peak(Phase::Backward, mm.window_peak(kPhaseWindow));
+    for (int64_t k = 0; k < micro_count_ && !skip_batch_; ++k) {
+      micro_index_ = k;
+      const int64_t begin = k * mbs, len = std::min(mbs, n - begin);
+      x_ = micro_count_ == 1 ? bx : bx.narrow(0, begin, len);
+      y_ = micro_count_ == 1 ? by : by.narrow(0, begin, len);
+      micro_weight_ = static_cast<double>(len) / static_cast<double>(n);
+      loss_scale_ = 1.0;
+      pred_ = torch::Tensor();
+      loss_ = torch::Tensor();
+
+      const int64_t live = mm.current();
+      mm.open_window(kPhaseWindow);
+      fire(Event::BeforeForward);
+      pred_ = forward(x_);
+      fire(Event::AfterForward);
+      loss_ = loss_fn_(pred_, y_);
+      fire(Event::AfterLoss);
+      const int64_t fpeak = mm.window_peak(kPhaseWindow);
+      note_phase_peak(Phase::Forward, fpeak);
+      forward_peak = std::max(forward_peak, fpeak - live + live_before_forward);
+      if (skip_batch_) break;
+
+      mm.open_window(kPhaseWindow);
+      fire(Event::BeforeBackward);
+      backward();
+      fire(Event::AfterBackward);
+      note_phase_peak(Phase::Backward, mm.window_peak(kPhaseWindow));
+      torch::Tensor weighted = loss_.detach().to(torch::kFloat) * micro_weight_;
+      batch_loss = batch_loss.defined() ? batch_loss + weighted : weighted;
+    }
+    x_ = bx;
+    y_ = by;
+    if (batch_loss.defined()) loss_ = batch_loss;  // the batch's loss, as one pass would give it
     grads = gradient_bytes(*model_);
   }
   if (!skip_batch_) {

@@ -408,3 +408,68 @@ TEST(LearnerReport, ReportHoldsStagesPeaksAndTimes) {
 
 }  // namespace
 }  // namespace frugal::test
+
+namespace frugal::test {
+namespace {
+
+class FirstStepGrads : public Callback {
+ public:
+  std::string name() const override { return "first_step_grads"; }
+  void before_step(Learner& l) override {
+    if (!grads.empty()) return;
+    for (auto& p : l.model()->parameters()) grads.push_back(p.grad().clone());
+    loss = l.loss().item<double>();
+    micro = l.micro_count();
+  }
+  std::vector<torch::Tensor> grads;
+  double loss = 0;
+  int64_t micro = 0;
+};
+
+std::shared_ptr<FirstStepGrads> first_step(int64_t micro_batch_size) {
+  TinySetup s;
+  s.batch_size = 64;
+  s.shuffle = false;
+  auto l = make_tiny_learner(s);
+  l->set_micro_batch_size(micro_batch_size);
+  auto g = std::make_shared<FirstStepGrads>();
+  l->add_callback(g);
+  l->set_max_batches(1);
+  l->fit(1);
+  return g;
+}
+
+TEST(LearnerMicroBatches, SplitBatchGivesTheWholeBatchGradients) {
+  auto whole = first_step(0);
+  auto split = first_step(16);
+  auto uneven = first_step(24);  // 24 + 24 + 16
+  EXPECT_EQ(whole->micro, 1);
+  EXPECT_EQ(split->micro, 4);
+  EXPECT_EQ(uneven->micro, 3);
+  ASSERT_EQ(whole->grads.size(), split->grads.size());
+  for (size_t i = 0; i < whole->grads.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(split->grads[i], whole->grads[i], 1e-5, 1e-6)) << "param " << i;
+    EXPECT_TRUE(torch::allclose(uneven->grads[i], whole->grads[i], 1e-5, 1e-6)) << "param " << i;
+  }
+  EXPECT_NEAR(split->loss, whole->loss, 1e-5);  // the logged loss is the batch's
+  EXPECT_NEAR(uneven->loss, whole->loss, 1e-5);
+}
+
+TEST(LearnerMicroBatches, SplittingLowersTheActivationPeak) {
+  auto activations = [](int64_t mbs) {
+    TinySetup s;
+    s.samples = 256;
+    s.batch_size = 256;
+    s.width = 256;
+    s.depth = 4;
+    auto l = make_tiny_learner(s);
+    l->set_micro_batch_size(mbs);
+    l->fit(1);
+    return l->stage_stats()[0].steady.activations;
+  };
+  const int64_t whole = activations(0), quarter = activations(64);
+  EXPECT_LT(quarter, whole / 3) << whole << " vs " << quarter;
+}
+
+}  // namespace
+}  // namespace frugal::test

@@ -80,18 +80,34 @@ class Learner {
   DataLoader* valid_data() { return valid_ ? &*valid_ : nullptr; }
   const torch::Device& device() const { return device_; }
 
-  /// The current batch (before_batch may replace it), prediction and loss.
+  /// The current batch (before_batch may replace it), prediction and loss. During the
+  /// forward and backward events of a split batch, x() and y() are the micro-batch.
   torch::Tensor& x() { return x_; }
   torch::Tensor& y() { return y_; }
   torch::Tensor& pred() { return pred_; }
   /// The unscaled loss, as logged. Backward uses loss() * loss_scale().
   torch::Tensor& loss() { return loss_; }
-  /// Multiplies the factor backward applies to the loss; reset to 1 each batch.
+  /// Multiplies the factor backward applies to the loss; reset to 1 before each forward.
   void scale_loss(double factor) { loss_scale_ *= factor; }
   double loss_scale() const { return loss_scale_; }
-  /// Runs backward on loss() * loss_scale(). The loop calls it; callbacks that re-run a
-  /// micro-step may too.
+  /// Runs backward on loss() * loss_scale() * micro_weight(). The loop calls it.
   void backward();
+
+  // ---- micro-batches: one optimizer step's batch run as several forward/backward passes ----
+  /// Splits every training batch into micro-batches of at most n samples (0 = whole batch).
+  /// Each runs before_forward .. after_backward; before_batch, the step and after_batch run
+  /// once. Gradients equal the whole batch's: each micro-batch's mean loss is weighted by its
+  /// share of the batch's samples (micro_weight()), so uneven splits stay exact.
+  void set_micro_batch_size(int64_t n);
+  int64_t micro_batch_size() const { return micro_batch_size_; }
+  int64_t micro_index() const { return micro_index_; }  ///< within the batch
+  int64_t micro_count() const { return micro_count_; }  ///< micro-batches in this batch
+  /// The weight backward applies to this micro-batch's loss: its samples / the batch's.
+  double micro_weight() const { return micro_weight_; }
+  /// Extra weight for the batch's losses, set by callbacks that accumulate several batches
+  /// into one step (samples of this batch / samples of the group). Reset to 1 each batch.
+  void set_batch_weight(double w) { batch_weight_ = w; }
+  double batch_weight() const { return batch_weight_; }
 
   // ---- flags: set during a batch or an epoch, cleared by the loop ----
   /// The optimizer does not step and gradients are kept (they accumulate); a callback that
@@ -174,6 +190,8 @@ class Learner {
   torch::Tensor loss_sum_;  // on the device: synced once per epoch or log interval
   int64_t loss_count_ = 0;
   double loss_scale_ = 1.0;
+  int64_t micro_batch_size_ = 0, micro_index_ = 0, micro_count_ = 1;
+  double micro_weight_ = 1.0, batch_weight_ = 1.0;
   bool skip_step_ = false, skip_batch_ = false, stop_epoch_ = false, stop_fit_ = false;
   int64_t stage_index_ = 0, epoch_ = 0, batch_index_ = 0, num_batches_ = 0;
   int64_t iteration_ = 0, steps_ = 0;
