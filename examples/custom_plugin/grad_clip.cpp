@@ -15,8 +15,10 @@ class GradClip : public frugal::Callback {
   GradClip(const GradClipOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
   std::string name() const override { return "grad_clip"; }
 
-  /// Runs after backward, before the optimizer steps: gradients are complete.
+  /// Runs after backward, before the optimizer steps: gradients are complete (and unscaled
+  /// by amp, whose order is lower). Under gradient accumulation most batches do not step.
   void before_step(frugal::Learner& l) override {
+    if (l.step_skipped()) return;
     const double norm = torch::nn::utils::clip_grad_norm_(l.model()->parameters(), o_.max_norm);
     const bool clipped = norm > o_.max_norm;
     clipped_ += clipped;
