@@ -153,17 +153,29 @@ void write_idx(const std::string& path, const torch::Tensor& data) {
   if (gzclose(f.release()) != Z_OK) throw_data_error("cannot finish writing '" + path + "'");
 }
 
-Dataset load_fashion_mnist(const std::string& dir, bool train) {
-  const std::string prefix = train ? "train" : "t10k";
-  const std::string image_file = dir + "/" + prefix + "-images-idx3-ubyte.gz";
-  const std::string label_file = dir + "/" + prefix + "-labels-idx1-ubyte.gz";
-  for (const auto& file : {image_file, label_file}) {
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(file, ec))
-      throw_data_error("Fashion-MNIST not found: '" + file +
-                       "' is missing. Install it with `apt-get install dataset-fashion-mnist`, "
-                       "or set data.path");
+namespace {
+std::string fashion_file(const std::string& dir, bool train, const char* what) {
+  return dir + "/" + (train ? "train" : "t10k") + "-" + what + "-ubyte.gz";
+}
+}  // namespace
+
+void check_fashion_mnist(const std::string& dir) {
+  for (bool train : {true, false}) {
+    for (const char* what : {"images-idx3", "labels-idx1"}) {
+      const std::string file = fashion_file(dir, train, what);
+      std::error_code ec;
+      if (!std::filesystem::is_regular_file(file, ec))
+        throw_data_error("Fashion-MNIST not found: '" + file +
+                         "' is missing. Install it with `apt-get install dataset-fashion-mnist`, "
+                         "or set data.path");
+    }
   }
+}
+
+Dataset load_fashion_mnist(const std::string& dir, bool train) {
+  check_fashion_mnist(dir);
+  const std::string image_file = fashion_file(dir, train, "images-idx3");
+  const std::string label_file = fashion_file(dir, train, "labels-idx1");
   auto images = read_idx(image_file);
   auto labels = read_idx(label_file);
   if (images.dim() != 3)

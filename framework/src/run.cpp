@@ -61,6 +61,13 @@ void check_config(const Config& c) {
     torch::NoGradGuard g;
     named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
   }
+  if (c.data.dataset == "fashion-mnist") {
+    try {
+      check_fashion_mnist(c.data.path);
+    } catch (const DataError& e) {
+      throw ConfigError(c.source + ": data.path: " + e.what());
+    }
+  }
   resolve_device(c.run.device);
 }
 

@@ -77,8 +77,10 @@ TEST(Cli, MissingConfigAndMissingDatasetAreClearErrors) {
                                        "\"\n[data]\ndataset = \"fashion-mnist\"\npath = \"" +
                                        dir.file("no-such-dir") + "\"\n");
   r = run_cli("train " + dir.file("fm.toml"));
-  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("data.path"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("apt-get install dataset-fashion-mnist"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out"))) << "no work may start on bad input";
 }
 
 TEST(Cli, UnwritableOutputFolderIsReportedBeforeTraining) {

@@ -37,6 +37,8 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 /// Fashion-MNIST's train (60k) or test (10k) split from `dir`; the error names the package
 /// to install when the files are missing.
 Dataset load_fashion_mnist(const std::string& dir, bool train);
+/// Throws the same DataError as load_fashion_mnist when any of the four files is missing.
+void check_fashion_mnist(const std::string& dir);
 
 /// Random images of any shape and class count; labels depend on the images (a fixed random
 /// linear rule), so a model can learn them. Same seed, same data.
