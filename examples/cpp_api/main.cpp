@@ -1,5 +1,5 @@
 // The quick start from C++: Fashion-MNIST, a small CNN, two stages, and the memory report.
-// Build: part of the frugal build (build/bin/frugal_cpp_api), or against an installed frugal.
+// Build: part of the frugal build (build/bin/frugal_cpp_api [fashion-mnist dir]).
 #include <iostream>
 
 #include <frugal/frugal.h>
@@ -7,6 +7,7 @@
 int main(int argc, char** argv) {
   frugal::MemoryMeter::install();  // count every tensor from here on
   torch::manual_seed(0);
+  torch::set_num_threads(2);
   const std::string dir = argc > 1 ? argv[1] : frugal::kFashionMnistDir;
 
   frugal::DataLoader train(frugal::load_fashion_mnist(dir, /*train=*/true), /*batch_size=*/128,
@@ -15,27 +16,25 @@ int main(int argc, char** argv) {
 
   frugal::ModelOptions model;
   model.arch = "cnn";
-  frugal::ModelInput input;
-  input.image_sizes = {14, 28};
-
+  model.width = 16;
   frugal::OptimizerOptions adam;
   adam.lr = 2e-3;
-  frugal::Learner learner(frugal::make_model(model, input), std::move(train), std::move(valid),
-                          adam, frugal::make_loss(frugal::LossOptions{}));
+  frugal::Learner learner(frugal::make_model(model, frugal::ModelInput{}), std::move(train),
+                          std::move(valid), adam, frugal::make_loss(frugal::LossOptions{}));
 
   frugal::Stage warmup;
-  warmup.name = "warmup-14px";
-  warmup.image_size = 14;
-  frugal::Stage full;
-  full.name = "full-28px";
-  full.epochs = 2;
-  full.optimizer = adam;
-  full.optimizer.lr = 1e-3;
-  full.has_optimizer = true;
-  learner.fit({warmup, full});
+  warmup.name = "warmup";
+  frugal::Stage finetune;
+  finetune.name = "finetune";
+  finetune.epochs = 2;
+  finetune.optimizer = adam;
+  finetune.optimizer.lr = 5e-4;
+  finetune.has_optimizer = true;
+  learner.fit({warmup, finetune});
 
-  std::cout << learner.report().dump(2) << "\n";
+  const auto report = learner.report();
+  std::cout << report.dump(2) << "\n";
   std::cout << "validation accuracy " << 100 * learner.valid_accuracy() << "%, peak live memory "
-            << frugal::format_bytes(learner.report()["peak_bytes"].get<int64_t>()) << "\n";
+            << frugal::format_bytes(report["peak_bytes"].get<int64_t>()) << "\n";
   return 0;
 }
