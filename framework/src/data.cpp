@@ -157,23 +157,26 @@ namespace {
 std::string fashion_file(const std::string& dir, bool train, const char* what) {
   return dir + "/" + (train ? "train" : "t10k") + "-" + what + "-ubyte.gz";
 }
+
+void check_split(const std::string& dir, bool train) {
+  for (const char* what : {"images-idx3", "labels-idx1"}) {
+    const std::string file = fashion_file(dir, train, what);
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(file, ec))
+      throw_data_error("Fashion-MNIST not found: '" + file +
+                       "' is missing. Install it with `apt-get install dataset-fashion-mnist`, "
+                       "or set data.path");
+  }
+}
 }  // namespace
 
 void check_fashion_mnist(const std::string& dir) {
-  for (bool train : {true, false}) {
-    for (const char* what : {"images-idx3", "labels-idx1"}) {
-      const std::string file = fashion_file(dir, train, what);
-      std::error_code ec;
-      if (!std::filesystem::is_regular_file(file, ec))
-        throw_data_error("Fashion-MNIST not found: '" + file +
-                         "' is missing. Install it with `apt-get install dataset-fashion-mnist`, "
-                         "or set data.path");
-    }
-  }
+  check_split(dir, true);
+  check_split(dir, false);
 }
 
 Dataset load_fashion_mnist(const std::string& dir, bool train) {
-  check_fashion_mnist(dir);
+  check_split(dir, train);
   const std::string image_file = fashion_file(dir, train, "images-idx3");
   const std::string label_file = fashion_file(dir, train, "labels-idx1");
   auto images = read_idx(image_file);
