@@ -55,6 +55,16 @@ inline bool autocast_enabled(c10::DeviceType device) {
 #endif
 }
 
+/// The lower-precision dtype autocast uses for a device type (CPU or CUDA).
+inline at::ScalarType autocast_dtype(c10::DeviceType device) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                        : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+
 /// Drops autocast's cast cache (weights cast to low precision).
 inline void clear_autocast_cache() { at::autocast::clear_cache(); }
 
