@@ -50,6 +50,14 @@ inline std::unique_ptr<Learner> make_tiny_learner(const TinySetup& s = {}) {
                                    std::move(valid), oo, make_loss(LossOptions{}));
 }
 
+/// The [plugins] table of a TOML text, moved out so its positions stay (errors show
+/// line:column; toml++ drops them on copy).
+inline toml::table plugins_of(const std::string& text, const std::string& source = "cfg.toml") {
+  toml::table root = toml::parse(text, source);
+  toml::table* p = root["plugins"].as_table();
+  return p ? std::move(*p) : toml::table{};
+}
+
 inline Stage make_stage(const std::string& name, int64_t epochs,
                         std::vector<std::string> freeze = {}) {
   Stage s;

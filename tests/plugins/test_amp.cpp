@@ -14,11 +14,6 @@ namespace {
 
 namespace amp = frugal::amp;
 
-toml::table plugins_of(const std::string& text) {
-  toml::table root = toml::parse(text, std::string("cfg.toml"));
-  toml::table* p = root["plugins"].as_table();
-  return p ? std::move(*p) : toml::table{};
-}
 
 TinySetup setup(int64_t samples, int64_t batch) {
   TinySetup s;

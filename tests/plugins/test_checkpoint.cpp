@@ -216,11 +216,6 @@ TEST(CheckpointMemory, ForwardPeakOfADeepMlpDropsBelowTwoOverSqrtBlocks) {
 
 // ---- the plugin through PluginHost -------------------------------------------------------------
 
-toml::table plugins_of(const std::string& text) {
-  toml::table root = toml::parse(text, std::string("cfg.toml"));
-  toml::table* p = root["plugins"].as_table();
-  return p ? std::move(*p) : toml::table{};
-}
 
 std::unique_ptr<Learner> deep_learner() {
   TinySetup s;

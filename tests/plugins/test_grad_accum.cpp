@@ -11,11 +11,6 @@ namespace {
 
 namespace ga = frugal::grad_accum;
 
-toml::table plugins_of(const std::string& text) {
-  toml::table root = toml::parse(text, std::string("cfg.toml"));
-  toml::table* p = root["plugins"].as_table();
-  return p ? std::move(*p) : toml::table{};
-}
 
 /// An MLP without batch-dependent layers, plain SGD, data in order, no validation.
 TinySetup setup(int64_t samples, int64_t batch) {

@@ -15,12 +15,6 @@ namespace {
 
 const std::string kFixtures = FRUGAL_TEST_FIXTURE_DIR;
 
-/// The [plugins] table of a TOML text (positions kept: errors show line:column).
-toml::table plugins_of(const std::string& text, const std::string& source = "cfg.toml") {
-  toml::table root = toml::parse(text, source);
-  toml::table* p = root["plugins"].as_table();
-  return p ? std::move(*p) : toml::table{};
-}
 
 /// Makes the default logger write into a string while it lives (plugin loggers share its sinks).
 class LogCapture {
