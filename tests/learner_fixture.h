@@ -25,6 +25,20 @@ struct TinySetup {
   uint64_t seed = 0;
 };
 
+/// For exactness tests: an MLP without batch-dependent layers, plain SGD, data in order, no
+/// validation.
+inline TinySetup exact_setup(int64_t samples, int64_t batch, double lr) {
+  TinySetup s;
+  s.samples = samples;
+  s.batch_size = batch;
+  s.valid_samples = 0;
+  s.shuffle = false;
+  s.depth = 2;
+  s.optimizer = "sgd";
+  s.lr = lr;
+  return s;
+}
+
 inline std::unique_ptr<Learner> make_tiny_learner(const TinySetup& s = {}) {
   torch::manual_seed(s.seed);
   Dataset train = make_synthetic(s.samples, 1, s.image_size, s.image_size, s.classes, 1);

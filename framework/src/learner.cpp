@@ -1,8 +1,5 @@
 #include "frugal/learner.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -11,6 +8,7 @@
 
 #include "frugal/compat.h"
 #include "frugal/error.h"
+#include "frugal/report.h"
 
 namespace frugal {
 
@@ -49,12 +47,6 @@ int64_t dataset_bytes(const Dataset& d) {
   return n;
 }
 
-void fsync_path(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
 
 }  // namespace
 
@@ -96,6 +88,10 @@ void Learner::add_callback(std::shared_ptr<Callback> cb) {
   auto pos = std::upper_bound(callbacks_.begin(), callbacks_.end(), cb,
                               [](const auto& a, const auto& b) { return a->order() < b->order(); });
   callbacks_.insert(pos, std::move(cb));
+  rebuild_forward_wrappers();
+}
+
+void Learner::rebuild_forward_wrappers() {
   forward_wrappers_.clear();
   for (auto& c : callbacks_)
     if (c->wraps_forward()) forward_wrappers_.push_back(c.get());
@@ -106,9 +102,7 @@ size_t Learner::remove_callback(const std::string& name) {
   callbacks_.erase(std::remove_if(callbacks_.begin(), callbacks_.end(),
                                   [&](const auto& c) { return c->name() == name; }),
                    callbacks_.end());
-  forward_wrappers_.clear();
-  for (auto& c : callbacks_)
-    if (c->wraps_forward()) forward_wrappers_.push_back(c.get());
+  rebuild_forward_wrappers();
   return before - callbacks_.size();
 }
 
@@ -235,17 +229,15 @@ void Learner::fit(const std::vector<Stage>& stages) {
       bool hit = std::any_of(names.begin(), names.end(),
                              [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
       if (!hit) {
-        std::string blocks;
-        for (const auto& c : model_->named_children()) blocks += (blocks.empty() ? "" : ", ") + c.key();
-        std::string near = nearest(prefix, [&] {
-          std::vector<std::string> v;
-          for (const auto& c : model_->named_children()) v.push_back(c.key());
-          return v;
-        }());
+        std::vector<std::string> blocks;
+        for (const auto& c : model_->named_children()) blocks.push_back(c.key());
+        std::string list;
+        for (const auto& b : blocks) list += (list.empty() ? "" : ", ") + b;
+        const std::string near = nearest(prefix, blocks);
         throw_config_error("stage '" + s.name + "': freeze prefix '" + prefix +
                            "' matches no parameter" +
                            (near.empty() ? "" : "; did you mean '" + near + "'?") +
-                           " The model's blocks: " + blocks);
+                           " The model's blocks: " + list);
       }
     }
   }
@@ -275,6 +267,7 @@ void Learner::run_stage(const Stage& s) {
 
   stage_stats_.emplace_back();
   stage_stats_.back().name = s.name;
+  last_probe_ = {};  // a short stage falls back to its own last batch, not the previous stage's
   memory().open_window(kStageWindow);
 
   fire(Event::BeforeStage);
@@ -374,7 +367,7 @@ void Learner::train_batch(const Batch& b) {
     x_ = bx;
     y_ = by;
     if (batch_loss.defined()) loss_ = batch_loss;  // the batch's loss, as one pass would give it
-    grads = gradient_bytes(*model_);
+    if (!st.steady_measured) grads = gradient_bytes(*model_);  // only the probe below needs it
   }
   if (!skip_batch_) {
     mm.open_window(kPhaseWindow);
@@ -395,9 +388,10 @@ void Learner::train_batch(const Batch& b) {
 
   st.step_seconds.push_back(seconds_since(t0));
   st.samples += b.size();
-  if (!skip_batch_ && forward_peak > 0) {
+  if (!st.steady_measured && !skip_batch_ && forward_peak > 0) {
     // The steady state: fastai's observation is that from the second batch on memory is
-    // constant; the stage's third batch (or its last, if shorter) is measured.
+    // constant; the stage's third batch (or its last, if shorter) is measured. Nothing is
+    // walked once the stage has it.
     MemoryBreakdown m;
     m.parameters = parameter_bytes(*model_);
     m.gradients = grads;
@@ -513,20 +507,14 @@ void Learner::save(const std::string& path, bool with_opt) {
   }
   const fs::path target(path);
   if (target.has_parent_path()) fs::create_directories(target.parent_path());
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   try {
-    archive.save_to(tmp);
+    // Straight to the temp file: a checkpoint is never buffered whole in memory.
+    write_file_atomic(path, [&](const std::string& tmp) { archive.save_to(tmp); });
   } catch (const c10::Error& e) {
-    std::remove(tmp.c_str());
     throw CheckpointError("cannot write checkpoint '" + path + "': " + first_line(e.what_without_backtrace()));
+  } catch (const Error& e) {
+    throw CheckpointError(e.what());
   }
-  fsync_path(tmp, false);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string why = std::strerror(errno);
-    std::remove(tmp.c_str());
-    throw CheckpointError("cannot write checkpoint '" + path + "': " + why);
-  }
-  fsync_path(target.has_parent_path() ? target.parent_path().string() : ".", true);
 }
 
 void Learner::load(const std::string& path, bool with_opt) {

@@ -22,25 +22,41 @@ namespace frugal {
 
 namespace fs = std::filesystem;
 
-void write_file_atomic(const std::string& path, const std::string& text) {
+namespace {
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+}  // namespace
+
+void write_file_atomic(const std::string& path, const std::function<void(const std::string&)>& write) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
-    f << text;
-    f.flush();
-    if (!f) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
+  try {
+    write(tmp);
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
   }
-  int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
+  fsync_path(tmp, false);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::string why = std::strerror(errno);
     std::remove(tmp.c_str());
     throw Error("cannot write '" + path + "': " + why);
   }
+  const fs::path parent = fs::path(path).parent_path();
+  fsync_path(parent.empty() ? "." : parent.string(), true);
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  write_file_atomic(path, [&](const std::string& tmp) {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
+    f << text;
+    f.flush();
+    if (!f) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
+  });
 }
 
 void ensure_writable_dir(const std::string& dir) {

@@ -15,17 +15,7 @@ namespace {
 namespace amp = frugal::amp;
 
 
-TinySetup setup(int64_t samples, int64_t batch) {
-  TinySetup s;
-  s.samples = samples;
-  s.batch_size = batch;
-  s.valid_samples = 0;
-  s.shuffle = false;
-  s.depth = 2;
-  s.optimizer = "sgd";
-  s.lr = 0.1;
-  return s;
-}
+TinySetup setup(int64_t samples, int64_t batch) { return exact_setup(samples, batch, 0.1); }
 
 /// Sets one gradient element to inf after the backward of the chosen batches. Order 100: in
 /// after_* events it runs before amp (50), as a real overflow would.

@@ -12,18 +12,7 @@ namespace {
 namespace ga = frugal::grad_accum;
 
 
-/// An MLP without batch-dependent layers, plain SGD, data in order, no validation.
-TinySetup setup(int64_t samples, int64_t batch) {
-  TinySetup s;
-  s.samples = samples;
-  s.batch_size = batch;
-  s.valid_samples = 0;
-  s.shuffle = false;
-  s.depth = 2;
-  s.optimizer = "sgd";
-  s.lr = 0.5;
-  return s;
-}
+TinySetup setup(int64_t samples, int64_t batch) { return exact_setup(samples, batch, 0.5); }
 
 /// Records how many micro-batches each batch ran as.
 struct MicroProbe : Callback {

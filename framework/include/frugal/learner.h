@@ -173,6 +173,7 @@ class Learner {
   void run_epoch();
   void train_batch(const Batch& b);
   void reset_batch_state();
+  void rebuild_forward_wrappers();
   void note_phase_peak(Phase p, int64_t bytes);
 
   torch::nn::Sequential model_;

@@ -1,5 +1,6 @@
 #pragma once
 /// The run report: report.json, a short report.md and the resolved config.toml in one folder.
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -22,7 +23,11 @@ void write_report(const std::string& dir, const nlohmann::json& report, const Co
 /// The Markdown summary of a report (also printed by `frugal train`).
 std::string report_markdown(const nlohmann::json& report);
 
-/// Writes `text` to `path` atomically: a temp file beside it, fsync, rename.
+/// Writes `path` atomically: `write` fills a temp file beside it (given its path), which is
+/// fsync'd and renamed over `path`, and the folder is fsync'd. A failure removes the temp
+/// file and leaves any existing `path` untouched.
+void write_file_atomic(const std::string& path, const std::function<void(const std::string& tmp)>& write);
+/// The same for a text.
 void write_file_atomic(const std::string& path, const std::string& text);
 
 }  // namespace frugal
