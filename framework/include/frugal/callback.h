@@ -77,6 +77,18 @@ class Callback {
   /// Runs once when fit ends, also when it was stopped early.
   virtual void after_fit(Learner&) {}
 
+  // ---- state across a resume, and what a callback holds ----
+  /// Writes what this callback needs to continue the same run after a resume (a loss scale,
+  /// a position in an accumulation group, whether it swapped the optimizer). Saved in the
+  /// Learner's checkpoint under the callback's name. Default: nothing.
+  virtual void save_state(torch::serialize::OutputArchive&) const {}
+  /// Reads what save_state wrote. Runs before the optimizer's state is loaded, so a callback
+  /// that replaced the optimizer replaces it again first. Default: nothing.
+  virtual void load_state(torch::serialize::InputArchive&) {}
+  /// Bytes of tensors this callback keeps alive between batches (histories, caches, saved
+  /// outputs). Memory diagnostics name the callbacks that hold bytes. Default 0.
+  virtual int64_t held_bytes() const { return 0; }
+
   /// Dispatches an event to its hook. Used by the Learner.
   void dispatch(Event e, Learner& l);
 };
