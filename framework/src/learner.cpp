@@ -162,6 +162,7 @@ void Learner::set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, Optimi
   optimizer_.reset();  // free the old state before the new one lives
   optimizer_ = std::move(opt);
   optimizer_options_ = std::move(o);
+  ++optimizer_changes_;
 }
 
 void Learner::set_optimizer(const OptimizerOptions& o) {
@@ -169,6 +170,7 @@ void Learner::set_optimizer(const OptimizerOptions& o) {
   optimizer_.reset();
   optimizer_ = make_optimizer(o, model_->parameters());
   optimizer_options_ = o;
+  ++optimizer_changes_;
 }
 
 void Learner::zero_grad() {
@@ -397,7 +399,7 @@ void Learner::train_batch(const Batch& b) {
     m.gradients = grads;
     m.optimizer_state = optimizer_state_bytes(*optimizer_);
     m.activations = std::max<int64_t>(0, forward_peak - live_before_forward);
-    m.data = dataset_bytes(train_.dataset()) + (valid_ ? dataset_bytes(valid_->dataset()) : 0);
+    m.data = data_bytes();
     m.other = std::max<int64_t>(
         0, live_before_forward - m.parameters - m.optimizer_state - m.data);
     last_probe_ = {true, m};
@@ -414,6 +416,10 @@ void Learner::note_phase_peak(Phase p, int64_t bytes) {
     auto& v = stage_stats_.back().phase_peaks[static_cast<size_t>(p)];
     v = std::max(v, bytes);
   }
+}
+
+int64_t Learner::data_bytes() const {
+  return dataset_bytes(live().train_.dataset()) + (valid_ ? dataset_bytes(valid_->dataset()) : 0);
 }
 
 double Learner::epoch_loss() const {

@@ -74,6 +74,9 @@ class Learner {
   void set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, OptimizerOptions o);
   /// Builds a new optimizer from `o` over the model's parameters.
   void set_optimizer(const OptimizerOptions& o);
+  /// How many times set_optimizer replaced the optimizer: a callback that must react to a new
+  /// optimizer compares it (a new optimizer may reuse the old one's address).
+  int64_t optimizer_changes() const { return optimizer_changes_; }
   const LossFn& loss_fn() const { return loss_fn_; }
   void set_loss_fn(LossFn f) { loss_fn_ = std::move(f); }
   DataLoader& train_data() { return live().train_; }
@@ -126,6 +129,8 @@ class Learner {
 
   // ---- counters ----
   const Stage& stage() const { return stages_.at(stage_index_); }
+  /// Every stage of the current fit (set before before_fit fires).
+  const std::vector<Stage>& stages() const { return stages_; }
   int64_t stage_index() const { return stage_index_; }
   int64_t epoch() const { return epoch_; }          ///< within the stage
   int64_t batch_index() const { return batch_index_; }  ///< within the epoch
@@ -138,6 +143,8 @@ class Learner {
   // ---- measurements ----
   MemoryMeter& memory() { return MemoryMeter::get(); }
   const std::vector<StageStats>& stage_stats() const { return stage_stats_; }
+  /// Bytes of the training and validation datasets, which stay in (host) memory for the fit.
+  int64_t data_bytes() const;
   /// Mean training loss of the batches since the epoch began (syncs the device).
   double epoch_loss() const;
   double valid_accuracy() const { return valid_accuracy_; }
@@ -179,6 +186,7 @@ class Learner {
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   OptimizerOptions optimizer_options_;
+  int64_t optimizer_changes_ = 0;
   LossFn loss_fn_;
   DataLoader train_;
   std::optional<DataLoader> valid_;
