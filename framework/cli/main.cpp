@@ -56,9 +56,21 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
   for (const auto& d : found) {
     std::cout << "\n" << d.name << " " << d.version << ": " << d.description << "\n  " << d.path
               << " (ABI " << d.abi_version << ", LibTorch " << d.torch_version << ")\n";
-    for (const auto& o : d.options)
-      std::cout << "  " << o.value("key", "") << " = " << o["default"].dump() << "  ("
-                << o.value("allowed", "") << ") " << o.value("help", "") << "\n";
+    // A nested table (optim_swap's `to`) lists its fields as table.key.
+    std::function<void(const nlohmann::json&, const std::string&)> print =
+        [&](const nlohmann::json& options, const std::string& prefix) {
+          for (const auto& o : options) {
+            const std::string key = prefix + o.value("key", "");
+            if (o.value("type", "") == "table") {
+              std::cout << "  " << key << ": " << o.value("help", "") << "\n";
+              print(o["fields"], key + ".");
+              continue;
+            }
+            std::cout << "  " << key << " = " << o["default"].dump() << "  ("
+                      << o.value("allowed", "") << ") " << o.value("help", "") << "\n";
+          }
+        };
+    print(d.options, "");
   }
   for (const auto& p : problems) std::cout << "\nnot loadable: " << p << "\n";
   return 0;
