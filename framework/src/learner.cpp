@@ -92,11 +92,37 @@ void open_archive(const std::string& path, const torch::Device& device,
                           "; this frugal reads format 1");
 }
 
+// LibTorch's Module::load replaces a tensor of another shape without a word: every shape is
+// checked first, so a checkpoint of another model is refused before anything changes.
+void check_shapes(torch::nn::Module& m, torch::serialize::InputArchive& a, const std::string& prefix,
+                  const std::string& path) {
+  auto check = [&](const std::string& key, const torch::Tensor& now, bool buffer) {
+    torch::Tensor saved;
+    if (!a.try_read(key, saved, buffer))
+      throw CheckpointError("checkpoint '" + path + "' does not fit this model: it has no '" +
+                            prefix + key + "'");
+    if (saved.sizes() != now.sizes())
+      throw CheckpointError("checkpoint '" + path + "' does not fit this model: '" + prefix + key +
+                            "' is " + c10::str(saved.sizes()) + " there, " + c10::str(now.sizes()) +
+                            " here");
+  };
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) check(p.key(), p.value(), false);
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) check(b.key(), b.value(), true);
+  for (const auto& c : m.named_children()) {
+    torch::serialize::InputArchive sub;
+    if (!a.try_read(c.key(), sub))
+      throw CheckpointError("checkpoint '" + path + "' does not fit this model: it has no module '" +
+                            prefix + c.key() + "'");
+    check_shapes(*c.value(), sub, prefix + c.key() + ".", path);
+  }
+}
+
 void load_model(torch::nn::Module& model, torch::serialize::InputArchive& archive,
                 const std::string& path) {
   torch::serialize::InputArchive model_archive;
   if (!archive.try_read("model", model_archive))
     throw CheckpointError("checkpoint '" + path + "' has no model");
+  check_shapes(model, model_archive, "", path);
   try {
     model.load(model_archive);
   } catch (const c10::Error& e) {
@@ -731,7 +757,9 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
   record["stats"] = stats;
   record["callbacks"] = callback_names;
   record["optimizer"] = optimizer_options_.name;
-  record["loss_count"] = loss_count_;
+  // The running loss belongs to the position's epoch only while it trains; between epochs it
+  // is the finished epoch's.
+  record["loss_count"] = training_ ? loss_count_ : 0;
   record["valid_accuracy"] = valid_accuracy_;
   record["info"] = info;
 
@@ -756,7 +784,7 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     }
     archive.write("callbacks." + c->name(), sub);
   }
-  if (loss_sum_.defined()) archive.write("loss_sum", loss_sum_);
+  if (training_ && loss_sum_.defined()) archive.write("loss_sum", loss_sum_);
   {
     at::Generator gen = cpu_generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
