@@ -34,6 +34,13 @@ void RunOptions::visit(FieldVisitor& v) {
   v.field("progress", progress,
           "progress display; auto = a bar on a terminal, log lines otherwise",
           {"auto", "bar", "log", "none"});
+  v.field("checkpoint_every", checkpoint_every,
+          "write <out_dir>/checkpoints/last.ckpt every N optimizer steps (and at the end of "
+          "the fit), for `frugal train --resume`; 0 = off",
+          at_least(0));
+  v.field("checkpoint_epochs", checkpoint_epochs,
+          "write the checkpoint every N epochs (and at the end of the fit); 0 = off",
+          at_least(0));
 }
 
 void DataOptions::visit(FieldVisitor& v) {

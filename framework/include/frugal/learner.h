@@ -35,6 +35,17 @@ struct StageStats {
   double valid_accuracy = -1;            ///< after the stage's last epoch; -1 = not validated
 };
 
+/// Where a fit continues: the next batch to run. `epoch` may equal the stage's epochs (only
+/// after_stage is left) and `batch` the epoch's batch count (validation and after_epoch are
+/// left).
+struct FitPosition {
+  int64_t stage = 0, epoch = 0, batch = 0;
+  int64_t data_epoch = 0;  ///< the DataLoader epoch (its order's seed offset) of `epoch`
+  int64_t iteration = 0, steps = 0;
+  bool stop_epoch = false, stop_fit = false;  ///< flags set by the batch before the position
+  bool done = false;                          ///< the fit ended: nothing is left to run
+};
+
 class Learner {
  public:
   /// `valid` may be empty (no validation). The optimizer is built over all parameters.
@@ -162,6 +173,38 @@ class Learner {
   void save(const std::string& path, bool with_opt = true);
   /// Loads what save() wrote. Throws CheckpointError for a missing, truncated or foreign file.
   void load(const std::string& path, bool with_opt = true);
+  // ---- checkpoint and resume ----
+  /// Writes everything needed to continue this fit exactly where it is, atomically (temp
+  /// file, fsync, rename: an existing `path` stays intact until the new one replaces it):
+  /// model, optimizer (and its name), every callback's save_state under "callbacks.<name>",
+  /// the CPU (and CUDA) random generators, the position (stage, epoch, batch, the data
+  /// order's epoch, iteration, steps), the epoch's running loss and the stage statistics.
+  /// `info` is stored as is (the CLI keeps the resolved config there).
+  /// Called from after_batch (or after_epoch, after_fit) the position is after that batch
+  /// (epoch, fit). Called mid-batch, e.g. after a failure, it is that batch's start, unless
+  /// the batch already stepped the optimizer; the replayed batch then draws fresh random
+  /// numbers (dropout), so only a checkpoint taken between batches resumes bitwise.
+  /// Gradients are not saved: take it when none are pending (CheckpointWriter does).
+  void save_checkpoint(const std::string& path, const nlohmann::json& info = {});
+  /// Loads the model from a save_checkpoint file now and keeps the rest for the next fit(),
+  /// which continues from the saved position with the same stages. Returns the stored info.
+  /// Throws CheckpointError for a missing, truncated or foreign file, or one save() wrote.
+  ///
+  /// What a resumed fit does: the batches, epochs and stages before the position fire no
+  /// events. before_fit, then before_stage, before_epoch and before_train of the resumed
+  /// position fire as on a fresh start (the stage's freeze, image size and optimizer are set
+  /// first), and the counters (iteration, steps) already hold their saved values. Then each
+  /// callback's load_state runs, then the optimizer's state is loaded, then the random
+  /// generators are restored, and the loop continues with the next batch.
+  nlohmann::json load_checkpoint(const std::string& path);
+  /// The stored "resume" record of a checkpoint without touching any learner: "position",
+  /// "info", "stages", "optimizer". Throws CheckpointError like load_checkpoint.
+  static nlohmann::json read_checkpoint(const std::string& path);
+  /// The position a loaded checkpoint will resume from, until fit() consumes it.
+  std::optional<FitPosition> pending_resume() const;
+  /// Where the fit stands now (what save_checkpoint would record).
+  FitPosition position() const;
+
   /// fastai's purge: drops the optimizer's state (unless clear_opt is false), sets gradients
   /// to none, drops cached batch, prediction and loss. Returns the live bytes released.
   int64_t purge(bool clear_opt = true);
@@ -182,6 +225,10 @@ class Learner {
   void reset_batch_state();
   void rebuild_forward_wrappers();
   void note_phase_peak(Phase p, int64_t bytes);
+  void complete_batch(const Batch& b, double seconds);
+  size_t prepare_resume();
+  int64_t resume_epoch() const;
+  int64_t apply_resume();
 
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
@@ -215,6 +262,9 @@ class Learner {
     MemoryBreakdown breakdown;
   } last_probe_;  // the last batch's breakdown, for stages shorter than three batches
   bool destroyed_ = false;
+  FitPosition next_;  // the next batch to run, kept current by the loop
+  struct PendingResume;
+  std::unique_ptr<PendingResume> resume_;  // set by load_checkpoint, consumed by fit
 
  public:
   /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests.
