@@ -52,7 +52,7 @@ void CheckpointWriter::save_state(torch::serialize::OutputArchive& a) const {
   a.write("epochs_done", c10::IValue(epochs_done_));
 }
 
-void CheckpointWriter::load_state(torch::serialize::InputArchive& a) {
+void CheckpointWriter::load_state(Learner&, torch::serialize::InputArchive& a) {
   c10::IValue v;
   if (a.try_read("saved_at_step", v) && v.isInt()) saved_at_step_ = v.toInt();
   if (a.try_read("epochs_done", v) && v.isInt()) epochs_done_ = v.toInt();

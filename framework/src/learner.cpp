@@ -901,7 +901,7 @@ int64_t Learner::apply_resume() {
     torch::serialize::InputArchive sub;
     if (!r->archive.try_read("callbacks." + c->name(), sub)) continue;
     try {
-      c->load_state(sub);
+      c->load_state(*this, sub);
     } catch (const c10::Error& e) {
       throw CallbackError(c->name(), "load_state", e.what_without_backtrace());
     } catch (const std::exception& e) {

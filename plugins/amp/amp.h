@@ -231,7 +231,7 @@ class Amp : public frugal::Callback {
     a.write("scale", c10::IValue(st.scale));
     a.write("growth_tracker", c10::IValue(st.growth_tracker));
   }
-  void load_state(torch::serialize::InputArchive& a) override {
+  void load_state(frugal::Learner&, torch::serialize::InputArchive& a) override {
     c10::IValue scale, tracker;
     if (!a.try_read("scale", scale) || !a.try_read("growth_tracker", tracker) ||
         !scale.isDouble() || !tracker.isInt())

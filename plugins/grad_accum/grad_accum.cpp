@@ -77,7 +77,7 @@ class GradAccum : public frugal::Callback {
     a.write("steps_before", c10::IValue(steps_before_));
     a.write("dropped", c10::IValue(dropped_));
   }
-  void load_state(torch::serialize::InputArchive& a) override {
+  void load_state(frugal::Learner&, torch::serialize::InputArchive& a) override {
     c10::IValue v;
     if (a.try_read("steps_before", v) && v.isInt()) steps_before_ = v.toInt();
     if (a.try_read("dropped", v) && v.isInt()) dropped_ = v.toInt();

@@ -272,7 +272,7 @@ TEST(Resume, StateOfAMissingCallbackIsRefused) {
     void save_state(torch::serialize::OutputArchive& a) const override {
       a.write("count", c10::IValue(int64_t{41}));
     }
-    void load_state(torch::serialize::InputArchive& a) override {
+    void load_state(Learner&, torch::serialize::InputArchive& a) override {
       c10::IValue v;
       a.read("count", v);
       count = v.toInt();

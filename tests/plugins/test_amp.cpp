@@ -333,11 +333,12 @@ TEST(AmpPlugin, SaveStateLoadStateRoundTripsTheScaler) {
   torch::serialize::InputArchive in;
   in.load_from(dir.file("s"));
   amp::Amp b(o, PluginContext{"amp", quiet_logger()});
-  b.load_state(in);
+  auto l = make_tiny_learner(setup(32, 16));
+  b.load_state(*l, in);
   EXPECT_EQ(b.scaler().scale(), 256.0);
   EXPECT_EQ(b.scaler().growth_tracker(), 7);
   torch::serialize::InputArchive empty;
-  EXPECT_THROW(b.load_state(empty), std::runtime_error);
+  EXPECT_THROW(b.load_state(*l, empty), std::runtime_error);
 }
 
 }  // namespace

@@ -31,7 +31,7 @@ class CheckpointWriter : public Callback {
   void after_epoch(Learner& l) override;
   void after_fit(Learner& l) override;
   void save_state(torch::serialize::OutputArchive& a) const override;
-  void load_state(torch::serialize::InputArchive& a) override;
+  void load_state(Learner&, torch::serialize::InputArchive& a) override;
 
   const std::string& path() const { return path_; }
   int64_t written() const { return written_; }  ///< checkpoints written by this process
