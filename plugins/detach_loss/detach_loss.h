@@ -23,8 +23,8 @@ namespace frugal::detach_loss {
 
 /// The leak watch's arithmetic: live bytes sampled once per batch, in windows of `window`
 /// samples after `warmup` ignored ones. A window is a leak when its least-squares slope is
-/// above `threshold` bytes per batch and the bytes grew in at least half of its steps (one jump,
-/// a cache filled once, is not a leak; a leak grows batch after batch).
+/// above `threshold` bytes per batch and the bytes grew in at least two and a third of its steps
+/// (one jump, a cache filled once, is not a leak; a leak grows batch after batch).
 class LeakWatch {
  public:
   LeakWatch(int64_t warmup, int64_t window, double threshold)
@@ -46,7 +46,9 @@ class LeakWatch {
     int64_t grew = 0;
     for (size_t i = 1; i < samples_.size(); ++i) grew += samples_[i] > samples_[i - 1] ? 1 : 0;
     ++windows_;
-    const bool leak = last_growth_ > threshold_ && 2 * grew >= window_ - 1;
+    // A leak in every other batch (kept graphs of skipped batches) still counts; a single jump
+    // does not.
+    const bool leak = last_growth_ > threshold_ && grew >= 2 && 3 * grew >= window_ - 1;
     samples_.clear();
     if (!leak) return std::nullopt;
     ++leaks_;
