@@ -15,6 +15,7 @@
 
 #include <frugal/error.h>
 #include <frugal/learner.h>
+#include <frugal/memory.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
 
@@ -208,7 +209,11 @@ struct Pass {
   std::string error;  ///< autograd's or the forward's message when !ok
   torch::Tensor pred, loss;
   std::vector<torch::Tensor> grads;
+  int64_t peak = 0;   ///< live bytes the pass added at its peak (forward and backward)
 };
+
+/// The memory meter's window slot the check uses (2..7 are the callbacks').
+inline constexpr int kPeakWindow = 7;
 
 inline std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -223,11 +228,15 @@ inline Pass run_pass(torch::nn::Sequential& model, const LossFn& loss_fn, const 
   snap.clear_grads();
   const torch::Tensor input = x.clone();
   const auto version = input._version();
+  MemoryMeter& mm = MemoryMeter::get();
+  const int64_t start = mm.current();
+  mm.open_window(kPeakWindow);
   try {
     model->train();
     torch::Tensor pred = model->forward(input);
     torch::Tensor loss = loss_fn(pred, y);
     loss.backward();
+    r.peak = mm.window_peak(kPeakWindow) - start;
     if (input._version() != version)
       r.error = "the model's input was overwritten in place";
     else
@@ -293,12 +302,13 @@ struct Outcome {
   std::vector<std::pair<Site, std::string>> skipped;    ///< not tried, and why
   int passes = 0;                                       ///< forward + backward passes run
   double max_difference = 0;                            ///< of the accepted set, relative
+  int64_t peak_before = 0, peak_after = 0;  ///< a check pass's added peak bytes, out of / in place
 };
 
 struct Settings {
   bool verify = true;          ///< check on a batch; false: flip Chain sites unchecked
   bool custom_modules = true;  ///< also try modules inside custom forwards (needs verify)
-  bool dropout = true;         ///< also try the Dropout family (CPU only: see the README)
+  bool dropout = false;        ///< also try the Dropout family (CPU only: see the README)
   double tolerance = 1e-5;     ///< relative difference allowed in outputs and gradients
   std::vector<std::string> exclude;  ///< names (or name prefixes) never touched
 };
@@ -355,13 +365,22 @@ inline Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const 
   if (!ref.ok)
     throw_usage_error("inplace_act: the model's own forward and backward failed on the first "
                       "batch, before any change: " + ref.error);
+  // A set is accepted when it is exact and its pass peaks no higher than the best accepted one:
+  // in place on a view (after Flatten) makes autograd copy the base in backward (CopySlices).
+  int64_t best_peak = ref.peak;
   auto verdict = [&](const Pass& p) -> std::string {
     if (!p.ok) return p.error;
     const Difference d = difference(ref, p, names);
     if (d.value > s.tolerance)
       return d.where + " differs from the out-of-place run (relative difference " +
              std::to_string(d.value) + " > tolerance " + std::to_string(s.tolerance) + ")";
+    if (p.peak > best_peak)
+      return "in place raises the peak of a forward and backward from " + format_bytes(best_peak) +
+             " to " + format_bytes(p.peak);
     out.max_difference = d.value;
+    best_peak = p.peak;
+    out.peak_before = ref.peak;
+    out.peak_after = p.peak;
     return "";
   };
 
@@ -399,7 +418,7 @@ inline std::string describe(const std::vector<Site>& sites) {
 struct InplaceActOptions : frugal::Options {
   bool verify = true;
   bool custom_modules = true;
-  bool dropout = true;
+  bool dropout = false;
   double tolerance = 1e-5;
   std::vector<std::string> exclude;
   void visit(frugal::FieldVisitor& v) override {
@@ -409,7 +428,9 @@ struct InplaceActOptions : frugal::Options {
     v.field("custom_modules", custom_modules,
             "also try activation modules registered inside modules with their own forward "
             "(residual blocks); only with verify, the check is what makes them safe");
-    v.field("dropout", dropout, "also try the Dropout family (on cpu only)");
+    v.field("dropout", dropout,
+            "also try the Dropout family (cpu only); off by default: its mask is saved either "
+            "way, and in place on a view (after Flatten) costs two extra tensors in backward");
     v.field("tolerance", tolerance,
             "largest difference the check accepts, relative to the output's largest entry "
             "and to the largest gradient entry",
@@ -445,11 +466,12 @@ class InplaceAct : public frugal::Callback {
     for (const auto& [site, why] : outcome_.skipped)
       log_->debug("{} not tried: {}", site.label(), why);
     log_->info("in place: {} ({} of {} activation modules; {} reverted, {} not tried; "
-               "{} check passes, largest relative difference {})",
+               "{} check passes, largest relative difference {}, check peak {} -> {})",
                describe(outcome_.changed), outcome_.changed.size(),
                outcome_.changed.size() + outcome_.reverted.size() + outcome_.skipped.size(),
                outcome_.reverted.size(), outcome_.skipped.size(), outcome_.passes,
-               outcome_.max_difference);
+               outcome_.max_difference, format_bytes(outcome_.peak_before),
+               format_bytes(outcome_.peak_after));
   }
   void after_fit(frugal::Learner&) override {
     for (const auto& s : outcome_.changed) *s.flag = s.was_inplace;
