@@ -124,6 +124,7 @@ class DetachLoss : public frugal::Callback {
   int order() const override { return 1000; }
 
   void before_fit(frugal::Learner&) override {
+    watch_ = LeakWatch(o_.warmup, o_.window, static_cast<double>(threshold_));
     warnings_ = 0;
     growth_ = 0;
   }
@@ -161,9 +162,13 @@ class DetachLoss : public frugal::Callback {
                            : "callbacks holding memory: " + who);
   }
   void after_fit(frugal::Learner&) override {
+    if (!o_.watch) return;
     if (watch_.leaks() > 0)
       log_->warn("{} of {} watched windows grew (largest {} per batch)", watch_.leaks(),
                  watch_.windows(), format_bytes(static_cast<int64_t>(growth_)));
+    else
+      log_->info("leak watch: live memory flat in all {} windows of {} batches", watch_.windows(),
+                 watch_.window());
   }
 
   /// The leak watch and the largest growth it reported (bytes per batch), for tests and tools.

@@ -215,7 +215,12 @@ struct Pass {
 /// The memory meter's window slot the check uses (2..7 are the callbacks').
 inline constexpr int kPeakWindow = 7;
 
-inline std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+/// The first line of an error, without autograd's hint about Python's anomaly mode.
+inline std::string first_line(const std::string& s) {
+  std::string line = s.substr(0, s.find('\n'));
+  const auto hint = line.find(" Hint: enable anomaly detection");
+  return hint == std::string::npos ? line : line.substr(0, hint);
+}
 
 /// One training forward, loss and backward on (x, y), from the snapshot's RNG and buffers.
 /// The snapshot is restored afterwards (also when the pass throws). The pass reads a copy of x:
