@@ -308,6 +308,7 @@ struct Outcome {
   int passes = 0;                                       ///< forward + backward passes run
   double max_difference = 0;                            ///< of the accepted set, relative
   int64_t peak_before = 0, peak_after = 0;  ///< a check pass's added peak bytes, out of / in place
+  std::string check_error;  ///< the unchanged model's own pass failed: nothing was changed
 };
 
 struct Settings {
@@ -321,8 +322,8 @@ struct Settings {
 /// Flips the eligible sites of `model` to in place, verified on (x, y) when s.verify: the flipped
 /// set is accepted when it passes the check; otherwise sites are added one at a time in forward
 /// order and each one that breaks the check goes back. The model's parameters, gradients,
-/// buffers, train modes and the RNG are as before. Throws when the unchanged model's own pass
-/// fails (it could not train either).
+/// buffers, train modes and the RNG are as before. When the unchanged model's own pass fails,
+/// nothing changes and check_error says why.
 inline Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::Tensor& x,
                      const torch::Tensor& y, const torch::Device& device, const Settings& s) {
   Outcome out;
@@ -367,9 +368,12 @@ inline Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const 
   Snapshot snap(*model, device);
   const Pass ref = run_pass(model, loss_fn, x, y, snap);
   ++out.passes;
-  if (!ref.ok)
-    throw_usage_error("inplace_act: the model's own forward and backward failed on the first "
-                      "batch, before any change: " + ref.error);
+  if (!ref.ok) {
+    // Not the plugin's to fail the fit for: the first training batch will say what is wrong.
+    out.check_error = ref.error;
+    for (auto& c : candidates) out.skipped.emplace_back(c, "the check could not run");
+    return out;
+  }
   // A set is accepted when it is exact and its pass peaks no higher than the best accepted one:
   // in place on a view (after Flatten) makes autograd copy the base in backward (CopySlices).
   int64_t best_peak = ref.peak;
@@ -461,11 +465,22 @@ class InplaceAct : public frugal::Callback {
         log_->warn("no training batch to check on: nothing changed");
         return;
       }
-      const Batch b = l.train_data().batch(0);
+      // The loader resizes to the stage's image size only once the stage begins: the check
+      // uses the first stage's size already (a model may take that size only).
+      DataLoader& data = l.train_data();
+      const int64_t size = data.image_size();
+      if (l.stage_index() == 0) data.set_image_size(l.stage().image_size);
+      const Batch b = data.batch(0);
+      data.set_image_size(size);
       x = b.x;
       y = b.y;
     }
     outcome_ = apply(l.model(), l.loss_fn(), x, y, l.device(), o_.settings());
+    if (!outcome_.check_error.empty()) {
+      log_->warn("nothing changed: the model's own forward and backward failed on the first "
+                 "batch: {}", outcome_.check_error);
+      return;
+    }
     for (const auto& [site, why] : outcome_.reverted)
       log_->warn("{} stays out of place: {}", site.label(), why);
     for (const auto& [site, why] : outcome_.skipped)

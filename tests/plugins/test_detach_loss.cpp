@@ -236,6 +236,23 @@ TEST(DetachLossPlugin, LaterCallbacksSeeDetachedTensorsAndTrainingIsUnchanged) {
   EXPECT_TRUE(params_equal(*l->model(), with_plugin));
 }
 
+TEST(DetachLossPlugin, MicroBatchesAndSkippedBatchesTrainAsWithout) {
+  auto train = [](bool plugin) {
+    auto l = make_tiny_learner(leak_setup());
+    l->set_micro_batch_size(12);  // 32 = 12 + 12 + 8
+    l->add_callback(std::make_shared<SkipEveryOther>());
+    std::ostringstream log;
+    if (plugin) l->add_callback(make_plugin(log));
+    torch::manual_seed(3);
+    l->fit(1);
+    return std::make_pair(clone_params(*l->model()), l->stage_stats().at(0).last_epoch_loss);
+  };
+  const auto [with, loss_with] = train(true);
+  const auto [without, loss_without] = train(false);
+  for (size_t i = 0; i < with.size(); ++i) EXPECT_TRUE(torch::equal(with[i], without[i])) << i;
+  EXPECT_EQ(loss_with, loss_without);
+}
+
 TEST(DetachLossPlugin, LoadsFromTomlAndABadThresholdNamesTheKey) {
   PluginHost host;
   auto cbs = host.load(plugins_of("[plugins.detach_loss]\nthreshold = \"4KiB\"\n"), "cfg.toml");

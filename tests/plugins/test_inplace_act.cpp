@@ -373,6 +373,36 @@ TEST(InplaceActPlugin, DropoutIsLeftOutByDefault) {
   EXPECT_NE(out.skipped[0].second.find("dropout = false"), std::string::npos);
 }
 
+TEST(InplaceActPlugin, AModelThatCannotRunTheBatchIsLeftAloneWithAWarning) {
+  auto m = zoo("mlp", 1, 8, 0.0);
+  const auto [x, y] = batch(4, /*image=*/6);  // the mlp takes 8x8 images only
+  const auto out = ia::apply(m, ce(), x, y, torch::kCPU, {});
+  EXPECT_TRUE(out.changed.empty());
+  EXPECT_FALSE(out.check_error.empty());
+  EXPECT_EQ(out.skipped.size(), 2u);
+  for (const auto& s : ia::find_sites(m.ptr())) EXPECT_FALSE(*s.flag) << s.name;
+}
+
+TEST(InplaceActPlugin, ChecksAtTheFirstStagesImageSize) {
+  // 8x8 data, an mlp for 4x4 images, a stage that resizes to 4: the check must use 4x4 too.
+  torch::manual_seed(0);
+  Dataset train = make_synthetic(32, 1, 8, 8, 4, 1);
+  auto l = std::make_unique<Learner>(zoo("mlp", 1, 8, 0.0, 0, /*image=*/4),
+                                     DataLoader(std::move(train), 16, false, 0), std::nullopt,
+                                     OptimizerOptions{}, ce());
+  std::ostringstream log;
+  auto cb = std::make_shared<ia::InplaceAct>(ia::InplaceActOptions{},
+                                             PluginContext{"inplace_act", capture_logger(log)});
+  l->add_callback(cb);
+  Stage st = make_stage("small", 1);
+  st.image_size = 4;
+  l->fit({st});
+  EXPECT_TRUE(cb->outcome().check_error.empty()) << cb->outcome().check_error;
+  EXPECT_EQ(names(cb->outcome().changed), (std::vector<std::string>{"stem.2", "block1.1"}))
+      << log.str();
+  EXPECT_EQ(l->iteration(), 2);
+}
+
 TEST(InplaceActPlugin, LoadsFromTomlAndABadToleranceNamesTheKey) {
   PluginHost host;
   auto cbs = host.load(plugins_of("[plugins.inplace_act]\nexclude = [\"stem\"]\n"), "cfg.toml");
