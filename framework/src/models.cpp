@@ -117,24 +117,30 @@ nn::Sequential make_cnn(const ModelOptions& o, const ModelInput& in) {
 // ---- resnet --------------------------------------------------------------------------------
 
 /// Two 3x3 conv + BN with a skip: identity, or a 1x1 conv + BN projection when the shape changes.
+/// The activations are registered modules (not torch::relu) so plugins can reach them
+/// (inplace_act); they have no parameters, so initialization is as before.
 struct BasicBlockImpl : nn::Module {
   BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
       : conv1(register_module("conv1", conv(in, out, 3, stride))),
         bn1(register_module("bn1", nn::BatchNorm2d(out))),
+        act1(register_module("act1", nn::ReLU())),
         conv2(register_module("conv2", conv(out, out, 3))),
-        bn2(register_module("bn2", nn::BatchNorm2d(out))) {
+        bn2(register_module("bn2", nn::BatchNorm2d(out))),
+        act2(register_module("act2", nn::ReLU())) {
     if (stride != 1 || in != out)
       shortcut = register_module("shortcut", Block(conv(in, out, 1, stride), nn::BatchNorm2d(out)));
   }
   torch::Tensor forward(torch::Tensor x) {
-    auto y = torch::relu(bn1(conv1(x)));
+    auto y = act1(bn1(conv1(x)));
     y = bn2(conv2(y));
-    return torch::relu(y + (shortcut ? shortcut->forward(x) : x));
+    return act2(y + (shortcut ? shortcut->forward(x) : x));
   }
   nn::Conv2d conv1;
   nn::BatchNorm2d bn1;
+  nn::ReLU act1;
   nn::Conv2d conv2;
   nn::BatchNorm2d bn2;
+  nn::ReLU act2;
   Block shortcut{nullptr};
 };
 TORCH_MODULE(BasicBlock);
