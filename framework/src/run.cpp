@@ -4,6 +4,7 @@
 
 #include "frugal/error.h"
 #include "frugal/registry.h"
+#include "frugal/trace.h"
 
 namespace frugal {
 
@@ -89,6 +90,8 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   learner->set_max_batches(c.run.max_steps);
+  learner->set_warmup_batches(c.run.warmup);
+  if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   return learner;
 }
 
