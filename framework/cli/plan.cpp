@@ -4,12 +4,14 @@
 // The model: a run's peak is F + A * b for batch size b (activations grow linearly with the
 // samples of a forward pass; parameters, gradients, optimizer state and data do not). The
 // baseline and each technique alone are measured at b and b/2, which gives each its F and A.
-// A combination multiplies the activation slopes (a technique scales what is saved per
-// sample: halves it, keeps a quarter of the blocks' outputs, runs a quarter of the batch) and
+// A combination multiplies the slopes above the loaded batch's own bytes per sample (which
+// every technique keeps: measured from the baseline's steady "other" at b and b/2), since a
+// technique scales what is saved per sample (halves it, keeps a quarter of the blocks'
+// outputs, runs a quarter of the batch), and
 // combines the fixed parts' changes: reductions (optimizer state moved away) add up, while
 // increases overlap, so the largest counts (the peak is one moment: gradients a split batch
-// accumulates and a checkpoint's recompute buffers are both live then; measured on the tiny
-// test config, adding them over-predicted by up to 12%, taking the largest stays within 5%).
+// accumulates and a checkpoint's recompute buffers are both live then; on the tiny test
+// config adding them over-predicted by up to 12%, the largest alone by up to 10%).
 // Its step time multiplies the techniques' slowdowns.
 #include <algorithm>
 #include <cmath>
@@ -53,6 +55,12 @@ std::string fixed(double v, int p) {
 }
 
 int64_t peak_of(const ChildResult& r) { return r.report["fit"].value("peak_bytes", int64_t{0}); }
+/// Live bytes before the forward that are none of parameters, optimizer state and data: the
+/// batch itself, which every technique keeps whole.
+int64_t batch_bytes_of(const ChildResult& r) {
+  const auto& stages = r.report["fit"]["stages"];
+  return stages.empty() ? 0 : stages[0]["steady"].value("other", int64_t{0});
+}
 double step_of(const ChildResult& r) {
   return r.report["fit"]["step_seconds"].value("median", 0.0);
 }
@@ -112,6 +120,7 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
            measure.size(), a.steps);
 
   std::vector<Fit> fits;  // [0] baseline, then each technique
+  double invariant = 0;   // bytes per sample no technique changes: the loaded batch
   json measured = json::array();
   for (size_t i = 0; i < measure.size(); i += 2) {
     ChildResult big, small;
@@ -134,6 +143,10 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
                                 static_cast<double>(b - half));
     f.fixed = static_cast<double>(peak_of(big)) - f.slope * static_cast<double>(b);
     f.step = step_of(big);
+    if (fits.empty())
+      invariant = std::clamp(static_cast<double>(batch_bytes_of(big) - batch_bytes_of(small)) /
+                                 static_cast<double>(b - half),
+                             0.0, f.slope);
     fits.push_back(f);
   }
 
@@ -142,7 +155,8 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
   std::vector<Candidate> all;
   for (size_t mask = 0; mask < (size_t{1} << n); ++mask) {
     Candidate c;
-    double slope = base.slope, step = base.step, grow = 0, shrink = 0;
+    // Techniques scale the per-sample bytes above the batch's own.
+    double scaled = base.slope - invariant, step = base.step, grow = 0, shrink = 0;
     for (size_t j = 0; j < n; ++j) {
       if (!(mask & (size_t{1} << j))) continue;
       const Fit& f = fits[j + 1];
@@ -152,10 +166,11 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
         grow = std::max(grow, delta);
       else
         shrink += delta;
-      if (base.slope > 0) slope *= f.slope / base.slope;
+      if (base.slope - invariant > 0)
+        scaled *= std::max(0.0, f.slope - invariant) / (base.slope - invariant);
       if (base.step > 0) step *= f.step / base.step;
     }
-    c.peak = base.fixed + grow + shrink + slope * static_cast<double>(b);
+    c.peak = base.fixed + grow + shrink + (invariant + scaled) * static_cast<double>(b);
     c.step = step;
     c.fits = c.peak <= static_cast<double>(budget);
     all.push_back(std::move(c));
@@ -178,6 +193,7 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
     fitted[j == 0 ? std::string("baseline") : t.techniques[j - 1]] = {
         {"fixed_bytes", fits[j].fixed}, {"bytes_per_sample", fits[j].slope},
         {"step_seconds", fits[j].step}};
+  fitted["batch_bytes_per_sample"] = invariant;
   out["model"] = fitted;
 
   // Verify: the proposal (or, with --check-all, every combination) runs at the batch size.
