@@ -158,7 +158,8 @@ std::string signed_fixed(double v, int precision) { return (v >= 0 ? "+" : "") +
 
 json row_json(const Row& r) {
   json j = {{"name", r.run.name},       {"techniques", r.run.on}, {"ok", r.ok},
-            {"exit_code", r.exit_code}, {"dir", r.dir},           {"wall_seconds", r.wall_seconds}};
+            {"exit_code", r.exit_code}, {"dir", r.dir},           {"wall_seconds", r.wall_seconds},
+            {"pareto", r.pareto}};
   if (!r.ok) {
     j["error"] = r.error;
     return j;
@@ -178,7 +179,6 @@ json row_json(const Row& r) {
     j["slowdown"] = r.slowdown;
     if (r.accuracy >= 0) j["accuracy_change_points"] = r.accuracy_change;
   }
-  j["pareto"] = r.pareto;
   return j;
 }
 
