@@ -245,10 +245,15 @@ std::string explain(const Row& r, const Row& base) {
     for (const char* p : kPhases)
       if (r.phase.at(p) > r.phase.at(top)) top = p;
     os << (r.saved_percent < 0 ? " The peak grows" : " The peak barely moves")
-       << ": activations are " << fixed(act_share, 0)
-       << "% of the baseline's peak, and this run's peak is in its " << top << " phase ("
-       << format_bytes(r.phase.at(top)) << "), where parameters, gradients, optimizer state "
-       << "and data are held whatever the technique does to activations.";
+       << ": activations are " << fixed(act_share, 0) << "% of the baseline's peak, and this run's "
+       << "peak is in its " << top << " phase (" << format_bytes(r.phase.at(top)) << ")";
+    if (std::string(top) == "backward" && r.phase.at("backward") > r.phase.at("forward"))
+      os << ", above its forward phase's (" << format_bytes(r.phase.at("forward"))
+         << "): what it saves in the forward is live again in the backward (recomputed "
+            "segments, gradient buffers).";
+    else
+      os << ", where parameters, gradients, optimizer state and data are held whatever the "
+            "technique does to activations.";
   }
   return os.str();
 }
