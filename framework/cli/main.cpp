@@ -9,6 +9,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "ablation.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
 #include "frugal/progress.h"
@@ -140,9 +141,10 @@ int run_keys(bool json) {
   frugal::OptimizerOptions optimizer;
   frugal::LossOptions loss;
   frugal::StageOptions stage;
+  frugal::AblationOptions ablation;
   std::vector<std::pair<std::string, frugal::Options*>> sections = {
       {"run", &run}, {"data", &data}, {"model", &model}, {"optimizer", &optimizer},
-      {"loss", &loss}, {"[stages]", &stage}};
+      {"loss", &loss}, {"[stages]", &stage}, {"ablation", &ablation}};
   nlohmann::json all = nlohmann::json::object();
   for (auto& [name, o] : sections) all[name] = frugal::describe_options(*o);
   if (json) {
@@ -201,6 +203,11 @@ int main(int argc, char** argv) {
   auto* keys = app.add_subcommand("keys", "list every configuration key with its default (Markdown)");
   keys->add_flag("--json", keys_json, "print JSON instead");
 
+  frugal::cli::AblateArgs ablate_opt;
+  auto* ablate = frugal::cli::add_ablate_command(app, ablate_opt);
+  frugal::cli::PlanArgs plan_opt;
+  auto* plan = frugal::cli::add_plan_command(app, plan_opt);
+
   CLI11_PARSE(app, argc, argv);
 
   auto log = spdlog::stderr_color_mt("frugal");
@@ -213,6 +220,8 @@ int main(int argc, char** argv) {
     if (*check) return run_check(check_opt, *log);
     if (*keys) return run_keys(keys_json);
     if (*plugins) return run_plugins(plugin_paths, plugins_json);
+    if (*ablate) return frugal::cli::run_ablate(ablate_opt, *log, argv[0]);
+    if (*plan) return frugal::cli::run_plan(plan_opt, *log, argv[0]);
   } catch (const frugal::ConfigError& e) {
     log->error("{}", e.what());
     return 2;

@@ -41,6 +41,12 @@ void RunOptions::visit(FieldVisitor& v) {
   v.field("checkpoint_epochs", checkpoint_epochs,
           "write the checkpoint every N epochs (and at the end of the fit); 0 = off",
           at_least(0));
+  v.field("warmup", warmup,
+          "training batches at the start of each stage left out of the step-time statistics",
+          at_least(0));
+  v.field("trace", trace,
+          "write a Chrome-trace JSON (Perfetto) of phase spans and live memory to this path; "
+          "\"\" = off");
 }
 
 void DataOptions::visit(FieldVisitor& v) {
@@ -103,6 +109,41 @@ void StageOptions::visit(FieldVisitor& v) {
           at_least(0));
   v.table("optimizer", optimizer, "this stage's optimizer; keys it omits inherit [optimizer]",
           &has_optimizer);
+}
+
+void AblationOptions::visit(FieldVisitor& v) {
+  v.field("baseline", baseline, "plugins on in every run, the baseline included");
+  v.field("techniques", techniques,
+          "plugins varied (each alone, all together, all but one); empty = every plugin with a "
+          "[plugins.X] table that is not in baseline");
+  v.field("repeats", repeats, "runs of each combination; step times are their median",
+          at_least(1));
+  v.field("steps", steps, "training batches per run", at_least(1));
+  v.field("warmup", warmup, "batches left out of the step-time statistics", at_least(0));
+  v.field("leave_one_out", leave_one_out, "also run all techniques but one, for each");
+}
+
+void AblationOptions::check() const {
+  auto dup = [](const std::vector<std::string>& v) -> std::string {
+    for (size_t i = 0; i < v.size(); ++i)
+      for (size_t j = i + 1; j < v.size(); ++j)
+        if (v[i] == v[j]) return v[i];
+    return "";
+  };
+  if (auto d = dup(techniques); !d.empty())
+    throw_config_error("'ablation.techniques' names plugin '" + d + "' twice");
+  if (auto d = dup(baseline); !d.empty())
+    throw_config_error("'ablation.baseline' names plugin '" + d + "' twice");
+  for (const auto& t : techniques)
+    for (const auto& b : baseline)
+      if (t == b)
+        throw_config_error("plugin '" + t +
+                           "' is in both 'ablation.baseline' and 'ablation.techniques'; a "
+                           "baseline plugin is on in every run, so it cannot be varied");
+  if (warmup >= steps)
+    throw_config_error("'ablation.warmup' (" + std::to_string(warmup) +
+                       ") must be less than 'ablation.steps' (" + std::to_string(steps) +
+                       "): no step would be timed");
 }
 
 namespace {
@@ -421,8 +462,8 @@ void apply_override(toml::table& root, const std::string& assignment) {
 
 // ---- The top level. ----
 
-const std::vector<std::string> kSections = {"run",  "data",   "model",  "optimizer",
-                                            "loss", "stages", "plugins"};
+const std::vector<std::string> kSections = {"run",    "data",    "model",   "optimizer",
+                                            "loss",   "stages",  "plugins", "ablation"};
 
 void read_section(const toml::table& root, const char* name, Options& o,
                   const std::string& source) {
@@ -522,6 +563,14 @@ Config parse_config(const std::string& text, const std::string& source,
                          describe_value(*p));
     c.plugins = std::move(*t);  // moved, not copied: the plugin loader's errors keep positions
   }
+  if (const toml::node* a = root.get("ablation")) {
+    read_section(root, "ablation", c.ablation, source);
+    c.has_ablation = true;
+    const toml::table& t = *a->as_table();
+    const std::string here = location(*a, source);
+    c.ablation.baseline_at = t.get("baseline") ? location(*t.get("baseline"), source) : here;
+    c.ablation.techniques_at = t.get("techniques") ? location(*t.get("techniques"), source) : here;
+  }
   return c;
 }
 
@@ -550,6 +599,7 @@ std::string Config::to_toml() const {
   for (auto& s : c.stages) stage_tables.push_back(TomlWriter::write(s));
   root.insert_or_assign("stages", std::move(stage_tables));
   if (!plugins.empty()) root.insert_or_assign("plugins", plugins);
+  if (has_ablation) root.insert_or_assign("ablation", TomlWriter::write(c.ablation));
   // The shortest floats (0.9, not 0.90000000000000002) when every value reads back exactly.
   std::ostringstream shortest;
   shortest << toml::toml_formatter{root, toml::toml_formatter::default_flags |

@@ -1000,7 +1000,8 @@ nlohmann::json Learner::report() const {
     for (Phase p : kAllPhases) phases[std::string(to_string(p))] = s.phase_peaks[static_cast<size_t>(p)];
 
     // Warm-up: the first batches of a stage allocate caches; they are left out of the times.
-    std::vector<double> steady(s.step_seconds.begin() + std::min<size_t>(2, s.step_seconds.size()),
+    const size_t warm = std::min(static_cast<size_t>(warmup_batches_), s.step_seconds.size());
+    std::vector<double> steady(s.step_seconds.begin() + static_cast<std::ptrdiff_t>(warm),
                                s.step_seconds.end());
     if (steady.empty()) steady = s.step_seconds;
     all_steps.insert(all_steps.end(), steady.begin(), steady.end());

@@ -90,6 +90,8 @@ nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::js
       {"config", config},
       {"fit", l.destroyed() ? nlohmann::json() : l.report()},
   };
+  // On CUDA the caching allocator holds more than the live bytes; that is what the driver sees.
+  if (l.device().is_cuda()) r["reserved_bytes"] = MemoryMeter::get().reserved();
   for (auto it = extra.begin(); extra.is_object() && it != extra.end(); ++it) r[it.key()] = it.value();
   return r;
 }

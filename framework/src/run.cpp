@@ -10,6 +10,7 @@
 #include "frugal/checkpoint_writer.h"
 #include "frugal/error.h"
 #include "frugal/registry.h"
+#include "frugal/trace.h"
 
 namespace frugal {
 
@@ -99,6 +100,8 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
     learner->add_callback(std::make_shared<CheckpointWriter>(
         checkpoint_path(c.run), c.run.checkpoint_every, c.run.checkpoint_epochs,
         checkpoint_info(c), spdlog::default_logger()));
+  learner->set_warmup_batches(c.run.warmup);
+  if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   return learner;
 }
 

@@ -22,6 +22,8 @@ struct RunOptions : Options {
   std::string progress = "auto";       ///< auto | bar | log | none
   int64_t checkpoint_every = 0;        ///< optimizer steps between checkpoints; 0 = off
   int64_t checkpoint_epochs = 0;       ///< epochs between checkpoints; 0 = off
+  int64_t warmup = 2;                  ///< batches per stage left out of the step-time statistics
+  std::string trace;                   ///< Chrome-trace JSON of phases and live memory; "" = off
   void visit(FieldVisitor& v) override;
 };
 
@@ -80,6 +82,21 @@ struct StageOptions : Options {
   void visit(FieldVisitor& v) override;
 };
 
+/// [ablation]: what `frugal ablate` and `frugal plan` vary. Every run is the config itself with
+/// the baseline plugins on and each technique on or off.
+struct AblationOptions : Options {
+  std::vector<std::string> baseline;    ///< plugins on in every run, the baseline included
+  std::vector<std::string> techniques;  ///< plugins varied; empty = every [plugins.X] not in baseline
+  int64_t repeats = 1;                  ///< runs of each combination; times are their median
+  int64_t steps = 20;                   ///< training batches per run (run.max_steps)
+  int64_t warmup = 2;                   ///< batches left out of the step times (run.warmup)
+  bool leave_one_out = true;            ///< also run all techniques but one, for each
+  /// "file:line:column" of the keys, for errors found after loading (a plugin not installed).
+  std::string baseline_at, techniques_at;
+  void visit(FieldVisitor& v) override;
+  void check() const override;
+};
+
 struct Config {
   RunOptions run;
   DataOptions data;
@@ -90,6 +107,8 @@ struct Config {
   /// [plugins]: `path` and one [plugins.<name>] table per plugin; validated by the plugin
   /// loader against each plugin's declared options.
   toml::table plugins;
+  AblationOptions ablation;   ///< used by `frugal ablate` and `frugal plan`
+  bool has_ablation = false;  ///< the file has an [ablation] table
   std::string source;  ///< the config file's path (for errors)
 
   /// The resolved configuration, every key with its value, as TOML text.

@@ -14,4 +14,5 @@
 #include "frugal/registry.h"
 #include "frugal/report.h"
 #include "frugal/run.h"
+#include "frugal/trace.h"
 #include "frugal/version.h"

@@ -269,6 +269,12 @@ class Learner {
  public:
   /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests.
   void set_max_batches(int64_t n) { max_steps_ = n; }
+  /// The first n training batches of each stage are left out of the report's step times
+  /// (they allocate caches); default 2. A stage with no more batches than that keeps them all.
+  void set_warmup_batches(int64_t n) { warmup_batches_ = n < 0 ? 0 : n; }
+
+ private:
+  int64_t warmup_batches_ = 2;
 };
 
 }  // namespace frugal

@@ -1,0 +1,590 @@
+// `frugal ablate`: the baseline, each technique alone, all together and all but one, each run
+// in its own process; results.json, results.csv, report.md, gnuplot plots and Chrome traces.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "ablation.h"
+#include "frugal/error.h"
+#include "frugal/memory.h"
+#include "frugal/report.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace frugal::cli {
+
+namespace {
+
+constexpr const char* kPhases[] = {"forward", "backward", "step", "validate"};
+constexpr const char* kCategories[] = {"parameters", "gradients", "optimizer_state",
+                                       "activations", "data", "other"};
+
+/// One row of the results: a combination's measurements over its repeats.
+struct Row {
+  ChildRun run;
+  std::string dir, trace;
+  bool ok = false;
+  int exit_code = 0;
+  std::string error;
+  double wall_seconds = 0;
+  int64_t iterations = 0;
+  int64_t peak = 0, reserved = -1;
+  std::map<std::string, int64_t> phase, steady;
+  double median = 0, p10 = 0, p90 = 0, samples_per_second = 0, final_loss = 0;
+  double accuracy = -1;  ///< -1: not validated
+  // relative to the baseline (when both worked)
+  bool relative = false;
+  double saved_percent = 0, slowdown = 0, accuracy_change = 0;
+  bool pareto = false;
+};
+
+/// The runs of an ablation: baseline, each alone, all, all but one; duplicates (same set of
+/// techniques) are dropped, the first name kept.
+std::vector<ChildRun> ablation_runs(const TechniqueSet& t, bool leave_one_out) {
+  std::vector<ChildRun> runs;
+  std::set<std::vector<std::string>> seen;
+  auto add = [&](std::string name, std::vector<std::string> on) {
+    auto key = on;
+    std::sort(key.begin(), key.end());
+    if (seen.insert(key).second) runs.push_back({std::move(name), std::move(on), {}});
+  };
+  add("baseline", {});
+  for (const auto& n : t.techniques) add(n, {n});
+  add("all", t.techniques);
+  if (leave_one_out)
+    for (const auto& n : t.techniques) {
+      std::vector<std::string> on;
+      for (const auto& m : t.techniques)
+        if (m != n) on.push_back(m);
+      add("all-but-" + n, on);
+    }
+  return runs;
+}
+
+std::string quoted(const std::string& s) { return json(s).dump(); }
+
+int64_t get_i(const json& j, const char* k) {
+  return j.is_object() && j.contains(k) && j[k].is_number() ? j[k].get<int64_t>() : 0;
+}
+double get_d(const json& j, const char* k, double fallback = 0) {
+  return j.is_object() && j.contains(k) && j[k].is_number() ? j[k].get<double>() : fallback;
+}
+
+/// Fills a row from its repeats: memory from the first that worked (it is the same on every
+/// repeat on CPU), times as the median over repeats.
+void summarize(Row& row, const std::vector<ChildResult>& reps) {
+  std::vector<double> med, p10, p90, sps;
+  for (const auto& r : reps) {
+    row.wall_seconds += r.wall_seconds;
+    if (r.exit_code != 0 || !r.report.is_object() || !r.report.contains("fit") ||
+        !r.report["fit"].is_object()) {
+      if (row.error.empty()) {
+        row.error = r.error.empty() ? "no report" : r.error;
+        row.exit_code = r.exit_code;
+      }
+      continue;
+    }
+    const json& fit = r.report["fit"];
+    const json& t = fit["step_seconds"];
+    med.push_back(get_d(t, "median"));
+    p10.push_back(get_d(t, "p10"));
+    p90.push_back(get_d(t, "p90"));
+    int64_t samples = 0, batches = 0;
+    for (const auto& s : fit["stages"]) {
+      samples += get_i(s, "samples");
+      batches += get_i(s, "batches");
+    }
+    const double per_batch = batches ? static_cast<double>(samples) / batches : 0;
+    // Steady speed: a batch's samples over the median step time (warm-up left out).
+    sps.push_back(med.back() > 0 ? per_batch / med.back() : get_d(fit, "samples_per_second"));
+    if (row.ok) continue;
+    row.ok = true;
+    row.iterations = get_i(fit, "iterations");
+    row.peak = get_i(fit, "peak_bytes");
+    if (r.report.contains("reserved_bytes")) row.reserved = get_i(r.report, "reserved_bytes");
+    for (const char* p : kPhases) row.phase[p] = get_i(fit["phase_peaks"], p);
+    const json steady = fit["stages"].empty() ? json() : fit["stages"][0]["steady"];
+    for (const char* c : kCategories) row.steady[c] = get_i(steady, c);
+    row.final_loss = get_d(fit, "final_loss");
+    row.accuracy = get_d(fit, "valid_accuracy", -1);
+  }
+  if (row.ok) {
+    row.error.clear();
+    row.exit_code = 0;
+    row.median = median(med);
+    row.p10 = median(p10);
+    row.p90 = median(p90);
+    row.samples_per_second = median(sps);
+  }
+}
+
+void compare(std::vector<Row>& rows) {
+  const Row& base = rows.front();
+  for (auto& r : rows) {
+    if (!r.ok || !base.ok) continue;
+    r.relative = true;
+    r.saved_percent = base.peak > 0 ? 100.0 * (1.0 - static_cast<double>(r.peak) / base.peak) : 0;
+    r.slowdown = base.median > 0 ? r.median / base.median : 0;
+    r.accuracy_change = r.accuracy >= 0 && base.accuracy >= 0 ? 100.0 * (r.accuracy - base.accuracy) : 0;
+  }
+  // The memory x speed Pareto front: no other run is at least as small and as fast, and
+  // strictly better in one.
+  for (auto& r : rows) {
+    if (!r.ok) continue;
+    r.pareto = std::none_of(rows.begin(), rows.end(), [&](const Row& o) {
+      return o.ok && &o != &r && o.peak <= r.peak && o.samples_per_second >= r.samples_per_second &&
+             (o.peak < r.peak || o.samples_per_second > r.samples_per_second);
+    });
+  }
+}
+
+std::string fixed(double v, int precision) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(precision) << v;
+  return os.str();
+}
+std::string mib(int64_t b) { return fixed(static_cast<double>(b) / (1024.0 * 1024.0), 2); }
+std::string signed_fixed(double v, int precision) { return (v >= 0 ? "+" : "") + fixed(v, precision); }
+
+json row_json(const Row& r) {
+  json j = {{"name", r.run.name},       {"techniques", r.run.on}, {"ok", r.ok},
+            {"exit_code", r.exit_code}, {"dir", r.dir},           {"wall_seconds", r.wall_seconds},
+            {"pareto", r.pareto}};
+  if (!r.ok) {
+    j["error"] = r.error;
+    return j;
+  }
+  j["trace"] = r.trace;
+  j["iterations"] = r.iterations;
+  j["peak_bytes"] = r.peak;
+  if (r.reserved >= 0) j["reserved_bytes"] = r.reserved;
+  j["phase_peaks"] = r.phase;
+  j["steady"] = r.steady;
+  j["step_seconds"] = {{"median", r.median}, {"p10", r.p10}, {"p90", r.p90}};
+  j["samples_per_second"] = r.samples_per_second;
+  j["final_loss"] = r.final_loss;
+  if (r.accuracy >= 0) j["valid_accuracy"] = r.accuracy;
+  if (r.relative) {
+    j["memory_saved_percent"] = r.saved_percent;
+    j["slowdown"] = r.slowdown;
+    if (r.accuracy >= 0) j["accuracy_change_points"] = r.accuracy_change;
+  }
+  return j;
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::string results_csv(const std::vector<Row>& rows) {
+  std::ostringstream os;
+  os << "name,techniques,ok,peak_bytes,reserved_bytes";
+  for (const char* p : kPhases) os << "," << p << "_peak_bytes";
+  for (const char* c : kCategories) os << ",steady_" << c << "_bytes";
+  os << ",step_median_s,step_p10_s,step_p90_s,samples_per_second,final_loss,valid_accuracy,"
+        "memory_saved_percent,slowdown,accuracy_change_points,pareto,error\n";
+  for (const auto& r : rows) {
+    os << csv_field(r.run.name) << "," << csv_field(join_on(r.run.on)) << "," << (r.ok ? 1 : 0);
+    if (!r.ok) {
+      for (int i = 0; i < 2 + 4 + 6 + 6 + 3; ++i) os << ",";
+      os << ",0," << csv_field(r.error) << "\n";
+      continue;
+    }
+    os << "," << r.peak << "," << (r.reserved >= 0 ? std::to_string(r.reserved) : "");
+    for (const char* p : kPhases) os << "," << r.phase.at(p);
+    for (const char* c : kCategories) os << "," << r.steady.at(c);
+    os << std::setprecision(9) << "," << r.median << "," << r.p10 << "," << r.p90 << ","
+       << r.samples_per_second << "," << r.final_loss << ","
+       << (r.accuracy >= 0 ? fixed(r.accuracy, 6) : "") << ","
+       << (r.relative ? fixed(r.saved_percent, 3) : "") << ","
+       << (r.relative ? fixed(r.slowdown, 4) : "") << ","
+       << (r.relative && r.accuracy >= 0 ? fixed(r.accuracy_change, 3) : "") << ","
+       << (r.pareto ? 1 : 0) << ",\n";
+  }
+  return os.str();
+}
+
+/// Why a technique's row shows the saving it shows: which steady category moved and what
+/// bounds the peak.
+std::string explain(const Row& r, const Row& base) {
+  std::ostringstream os;
+  os << "- **" << r.run.name << "**: peak " << format_bytes(base.peak) << " -> "
+     << format_bytes(r.peak) << " (" << signed_fixed(-r.saved_percent, 1) << "%).";
+  std::string moved;
+  int64_t biggest = 0;
+  for (const char* c : kCategories) {
+    const int64_t d = r.steady.at(c) - base.steady.at(c);
+    if (std::llabs(d) > std::llabs(biggest)) {
+      biggest = d;
+      moved = c;
+    }
+  }
+  if (!moved.empty()) {
+    const int64_t b = base.steady.at(moved);
+    os << " Steady " << moved << " " << format_bytes(b) << " -> "
+       << format_bytes(r.steady.at(moved));
+    if (b > 0) os << " (" << signed_fixed(100.0 * static_cast<double>(biggest) / b, 1) << "%)";
+    os << ".";
+  }
+  if (r.saved_percent < 5 && base.peak > 0) {
+    const double act_share = 100.0 * static_cast<double>(base.steady.at("activations")) / base.peak;
+    const char* top = "forward";
+    for (const char* p : kPhases)
+      if (r.phase.at(p) > r.phase.at(top)) top = p;
+    os << (r.saved_percent < 0 ? " The peak grows" : " The peak barely moves")
+       << ": activations are " << fixed(act_share, 0) << "% of the baseline's peak, and this run's "
+       << "peak is in its " << top << " phase (" << format_bytes(r.phase.at(top)) << ")";
+    if (std::string(top) == "backward" && r.phase.at("backward") > r.phase.at("forward"))
+      os << ", above its forward phase's (" << format_bytes(r.phase.at("forward"))
+         << "): what it saves in the forward is live again in the backward (recomputed "
+            "segments, gradient buffers).";
+    else
+      os << ", where parameters, gradients, optimizer state and data are held whatever the "
+            "technique does to activations.";
+  }
+  return os.str();
+}
+
+std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots) {
+  std::ostringstream md;
+  const json& m = meta["machine"];
+  md << "# Ablation of `" << meta["config"].get<std::string>() << "`\n\n";
+  md << "Command: `" << meta["command"].get<std::string>() << "`  \n";
+  md << "Machine: " << m.value("cpu", std::string("unknown CPU")) << ", "
+     << m.value("logical_cores", 0) << " logical cores, " << m.value("os", std::string(""))
+     << ", LibTorch " << m.value("libtorch", std::string("")) << "; load average at start "
+     << (m.contains("load_average") ? fixed(m["load_average"][0].get<double>(), 2) : "?")
+     << ".  \n";
+  md << meta["steps"].get<int64_t>() << " training batches per run, the first "
+     << meta["warmup"].get<int64_t>() << " left out of the step times; "
+     << meta["repeats"].get<int64_t>()
+     << " repeat(s), times are the median over repeats. Each run is its own process. Memory is "
+        "exact (counted by the tracking allocator); times depend on the machine's load, so "
+        "compare them as ratios to the baseline.\n\n";
+  md << "Baseline plugins: " << join_on(meta["baseline_plugins"].get<std::vector<std::string>>(), ", ")
+     << ". Techniques varied: " << join_on(meta["techniques"].get<std::vector<std::string>>(), ", ")
+     << ".\n\n";
+
+  std::vector<const Row*> order;
+  for (const auto& r : rows) order.push_back(&r);
+  std::stable_sort(order.begin(), order.end(), [](const Row* a, const Row* b) {
+    if (a->ok != b->ok) return a->ok;
+    return a->ok && a->peak < b->peak;
+  });
+  md << "| run | techniques | peak live | saved | steady activations | step median (p10-p90) | "
+        "samples/s | slowdown | final loss | valid accuracy (change) | Pareto |\n";
+  md << "|---|---|---:|---:|---:|---|---:|---:|---:|---|:---:|\n";
+  for (const Row* r : order) {
+    md << "| " << r->run.name << " | " << join_on(r->run.on, ", ") << " | ";
+    if (!r->ok) {
+      md << "failed (exit " << r->exit_code << ") | | | | | | | | |\n";
+      continue;
+    }
+    md << mib(r->peak) << " MiB | " << (r->relative ? fixed(r->saved_percent, 1) + "%" : "-")
+       << " | " << mib(r->steady.at("activations")) << " MiB | " << fixed(1000 * r->median, 1)
+       << " ms (" << fixed(1000 * r->p10, 1) << "-" << fixed(1000 * r->p90, 1) << ") | "
+       << fixed(r->samples_per_second, 0) << " | "
+       << (r->relative ? fixed(r->slowdown, 2) + "x" : "-") << " | " << fixed(r->final_loss, 4)
+       << " | ";
+    if (r->accuracy >= 0)
+      md << fixed(100 * r->accuracy, 2) << "%"
+         << (r->relative ? " (" + signed_fixed(r->accuracy_change, 2) + ")" : "");
+    else
+      md << "-";
+    md << " | " << (r->pareto ? "★" : "") << " |\n";
+  }
+  md << "\n★ on the memory x speed Pareto front: no other run has a peak as low and a speed as "
+        "high, and one of them strictly better. Sorted by peak live memory.\n";
+
+  md << "\n## Where the memory is\n\nSteady state (a stage's third batch) and the peak of each "
+        "phase.\n\n| run | parameters | gradients | optimizer state | activations | data | "
+        "other | forward peak | backward peak | step peak |\n|---|---:|---:|---:|---:|---:|---:|"
+        "---:|---:|---:|\n";
+  for (const Row* r : order) {
+    if (!r->ok) continue;
+    md << "| " << r->run.name;
+    for (const char* c : kCategories) md << " | " << mib(r->steady.at(c));
+    for (int p = 0; p < 3; ++p) md << " | " << mib(r->phase.at(kPhases[p]));
+    md << " |\n";
+  }
+  md << "\n(MiB.)\n";
+
+  const Row& base = rows.front();
+  md << "\n## Notes\n\n";
+  if (base.ok) {
+    for (const auto& r : rows)
+      if (&r != &base && r.ok && r.run.on.size() == 1) md << explain(r, base) << "\n";
+  } else {
+    md << "- The baseline failed, so nothing is relative to it.\n";
+  }
+  std::string short_runs;
+  for (const auto& r : rows) {
+    if (!r.ok) md << "- Run **" << r.run.name << "** failed (exit " << r.exit_code << "): " << r.error << "\n";
+    else if (r.iterations < meta["steps"].get<int64_t>())
+      short_runs += (short_runs.empty() ? "" : ", ") + r.run.name + " (" + std::to_string(r.iterations) + ")";
+  }
+  if (!short_runs.empty())
+    md << "- Runs that ended with their epochs before the cap of " << meta["steps"].get<int64_t>()
+       << " batches (batches run): " << short_runs << ".\n";
+  if (plots) {
+    md << "\n## Plots\n\n![peak live memory per run](plots/peak_memory.svg)\n\n"
+          "![live memory over the first steps](plots/live_memory.svg)\n\n"
+          "![peak memory against samples/s](plots/tradeoff.svg)\n";
+  } else {
+    md << "\nNo plots: gnuplot was not found (install gnuplot-nox); the data files and scripts "
+          "are in plots/.\n";
+  }
+  md << "\nEach run's folder (runs/<name>/) holds its report, log and trace.json (open it in "
+        "https://ui.perfetto.dev).\n";
+  return md.str();
+}
+
+/// A run's live bytes against its fractional step (step + position within the batch), from
+/// its trace: (x, MiB) pairs.
+std::vector<std::pair<double, double>> timeline(const std::string& trace_path) {
+  std::vector<std::pair<double, double>> out;
+  std::ifstream f(trace_path);
+  if (!f) return out;
+  json t;
+  try {
+    t = json::parse(f);
+  } catch (const std::exception&) {
+    return out;
+  }
+  struct Span { double ts, dur; int64_t step; };
+  std::vector<Span> batches;
+  std::vector<std::pair<double, int64_t>> counters;
+  for (const auto& e : t["traceEvents"]) {
+    const std::string ph = e.value("ph", "");
+    if (ph == "X" && e.value("name", "") == "batch")
+      batches.push_back({e["ts"].get<double>(), e["dur"].get<double>(), e["args"]["step"].get<int64_t>()});
+    else if (ph == "C")
+      counters.emplace_back(e["ts"].get<double>(), e["args"]["live_bytes"].get<int64_t>());
+  }
+  std::sort(batches.begin(), batches.end(), [](const Span& a, const Span& b) { return a.ts < b.ts; });
+  for (const auto& [ts, bytes] : counters) {
+    auto it = std::upper_bound(batches.begin(), batches.end(), ts,
+                               [](double v, const Span& s) { return v < s.ts; });
+    if (it == batches.begin()) continue;
+    --it;
+    if (ts > it->ts + it->dur + 1e-3) continue;  // between batches (validation)
+    const double frac = it->dur > 0 ? (ts - it->ts) / it->dur : 0;
+    out.emplace_back(static_cast<double>(it->step) + std::min(1.0, frac),
+                     static_cast<double>(bytes) / (1024.0 * 1024.0));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const char* kTerminals =
+    "svg_out(name) = sprintf('set terminal svg size 900,520 dynamic font \"sans,11\"; set output \"%s.svg\"', name)\n"
+    "png_term = strstrt(GPVAL_TERMINALS, 'pngcairo') > 0 ? 'pngcairo' : 'png'\n"
+    "png_out(name) = sprintf('set terminal %s size 900,520; set output \"%s.png\"', png_term, name)\n";
+
+/// Writes the data files and gnuplot scripts into `dir`; runs gnuplot when there is one.
+/// Returns whether the plots were drawn.
+bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t steps,
+                 spdlog::logger& log) {
+  fs::create_directories(dir);
+  std::vector<const Row*> ok;
+  for (const auto& r : rows)
+    if (r.ok) ok.push_back(&r);
+  std::stable_sort(ok.begin(), ok.end(), [](const Row* a, const Row* b) { return a->peak < b->peak; });
+
+  std::ofstream peak(fs::path(dir) / "peak.dat");
+  peak << "# run peak_MiB\n";
+  for (const Row* r : ok) peak << quoted(r->run.name) << " " << mib(r->peak) << "\n";
+  peak.close();
+
+  std::ofstream trade(fs::path(dir) / "tradeoff.dat");
+  std::ofstream front(fs::path(dir) / "pareto.dat");
+  trade << "# run samples_per_second peak_MiB\n";
+  front << "# the Pareto front, by speed\n";
+  std::vector<const Row*> by_speed = ok;
+  std::sort(by_speed.begin(), by_speed.end(),
+            [](const Row* a, const Row* b) { return a->samples_per_second < b->samples_per_second; });
+  for (const Row* r : by_speed) {
+    trade << quoted(r->run.name) << " " << fixed(r->samples_per_second, 3) << " " << mib(r->peak) << "\n";
+    if (r->pareto) front << quoted(r->run.name) << " " << fixed(r->samples_per_second, 3) << " " << mib(r->peak) << "\n";
+  }
+  trade.close();
+  front.close();
+
+  const int64_t shown = std::min<int64_t>(steps, 4);  // a few steps: the pattern repeats
+  std::string live_plot;
+  for (size_t i = 0; i < ok.size(); ++i) {
+    const std::string file = "live_" + std::to_string(i) + ".dat";
+    std::ofstream d(fs::path(dir) / file);
+    d << "# " << ok[i]->run.name << ": step (fractional) live_MiB\n";
+    for (const auto& [x, y] : timeline(ok[i]->trace))
+      if (x <= static_cast<double>(shown)) d << fixed(x, 4) << " " << fixed(y, 3) << "\n";
+    live_plot += std::string(live_plot.empty() ? "plot " : ", \\\n     ") + quoted(file) +
+                 " using 1:2 with steps lw 1.5 title " + quoted(ok[i]->run.name);
+  }
+
+  auto script = [&](const std::string& name, const std::string& body) {
+    std::ofstream gp(fs::path(dir) / (name + ".gp"));
+    gp << "# gnuplot " << name << ".gp (run in this folder) draws " << name << ".svg and .png\n"
+       << kTerminals << "do for [k = 1:2] {\n  eval(k == 1 ? svg_out('" << name << "') : png_out('"
+       << name << "'))\n" << body << "}\n";
+  };
+  script("peak_memory",
+         "  set title 'Peak live memory per run'\n  set ylabel 'MiB'\n  set style data histograms\n"
+         "  set style fill solid 0.8 border -1\n  set boxwidth 0.7\n  set xtics rotate by -30 noenhanced\n"
+         "  set key off\n  set yrange [0:*]\n  set grid ytics\n"
+         "  plot 'peak.dat' using 2:xtic(1) linecolor rgb '#4477aa'\n");
+  script("tradeoff",
+         "  set title 'Peak memory against speed (red: the Pareto front)'\n  set xlabel 'samples/s'\n"
+         "  set ylabel 'peak live MiB'\n  set grid\n  set key off\n  set yrange [0:*]\n"
+         "  plot 'pareto.dat' using 2:3 with linespoints lw 2 pt 7 ps 1.6 linecolor rgb '#cc6677', \\\n"
+         "       'tradeoff.dat' using 2:3 with points pt 7 ps 1.2 linecolor rgb '#4477aa', \\\n"
+         "       'tradeoff.dat' using 2:3:1 with labels offset 0,0.9 noenhanced font ',9'\n");
+  script("live_memory",
+         "  set title 'Live memory over the first steps (from each run''s trace)'\n"
+         "  set xlabel 'training step'\n  set ylabel 'live MiB'\n  set grid\n"
+         "  set key outside right noenhanced\n  set yrange [0:*]\n  " +
+             (live_plot.empty() ? std::string("plot 0 notitle") : live_plot) + "\n");
+
+  const std::string gnuplot = find_in_path("gnuplot");
+  if (gnuplot.empty()) {
+    log.warn("gnuplot not found (install gnuplot-nox): no plots drawn; the data files and "
+             "scripts are in {}", dir);
+    return false;
+  }
+  const std::string abs = fs::absolute(dir).string();
+  bool all = true;
+  for (const char* name : {"peak_memory", "tradeoff", "live_memory"}) {
+    const int rc = spawn_wait(gnuplot, {std::string(name) + ".gp"},
+                              (fs::path(abs) / (std::string(name) + ".log")).string(), abs);
+    if (rc != 0) {
+      log.warn("gnuplot {}.gp failed (exit {}); see {}/{}.log", name, rc, dir, name);
+      all = false;
+    }
+  }
+  return all;
+}
+
+std::string command_line(const AblateArgs& a, int64_t steps, int64_t repeats) {
+  std::string c = "frugal ablate " + a.config + " --out " + a.out;
+  if (a.steps) c += " --steps " + std::to_string(steps);
+  if (a.repeats) c += " --repeats " + std::to_string(repeats);
+  for (const auto& s : a.sets) c += " --set " + s;
+  return c;
+}
+
+}  // namespace
+
+CLI::App* add_ablate_command(CLI::App& app, AblateArgs& a) {
+  auto* c = app.add_subcommand(
+      "ablate",
+      "measure each technique: the baseline, each alone, all together and all but one, each "
+      "run in its own process; writes results.json, results.csv, report.md, plots and traces");
+  c->add_option("config", a.config, "the run's TOML file, with an [ablation] table")->required();
+  c->add_option("--out", a.out, "folder for the results (default runs/ablation)");
+  c->add_option("--repeats", a.repeats, "runs of each combination (default: ablation.repeats)")
+      ->check(CLI::PositiveNumber);
+  c->add_option("--steps", a.steps, "training batches per run (default: ablation.steps)")
+      ->check(CLI::PositiveNumber);
+  c->add_option("--set", a.sets, "override a key in every run, e.g. --set data.batch_size=64");
+  return c;
+}
+
+int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0) {
+  // Everything is checked before the first run: the [ablation] table, the plugins it names,
+  // and every run's whole configuration.
+  Config cfg = load_config(a.config, a.sets);
+  const TechniqueSet t = resolve_techniques(cfg);
+  const int64_t steps = a.steps ? a.steps : cfg.ablation.steps;
+  const int64_t repeats = a.repeats ? a.repeats : cfg.ablation.repeats;
+  const int64_t warmup = cfg.ablation.warmup;
+  if (warmup >= steps)
+    throw_config_error("--steps " + std::to_string(steps) + " must be more than 'ablation.warmup' (" +
+                       std::to_string(warmup) + "): no step would be timed");
+  const auto runs = ablation_runs(t, cfg.ablation.leave_one_out);
+  check_runs(a.config, a.sets, t, runs);
+  ensure_writable_dir(a.out);
+  const std::string exe = self_exe(argv0);
+
+  json meta = {{"config", a.config},
+               {"command", command_line(a, steps, repeats)},
+               {"machine", machine_info()},
+               {"steps", steps},
+               {"warmup", warmup},
+               {"repeats", repeats},
+               {"baseline_plugins", t.baseline},
+               {"techniques", t.techniques}};
+  log.info("ablation of {}: {} runs x {} repeat(s), {} batches each (warm-up {}); techniques: {}",
+           a.config, runs.size(), repeats, steps, warmup, join_on(t.techniques, ", "));
+
+  const auto t_start = std::chrono::steady_clock::now();
+  std::vector<std::vector<ChildResult>> results(runs.size());
+  std::vector<Row> rows(runs.size());
+  size_t done = 0;
+  const size_t total = runs.size() * static_cast<size_t>(repeats);
+  // Repeats go round the runs, so that a burst of load on the machine hits every run alike.
+  for (int64_t rep = 0; rep < repeats; ++rep) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const ChildRun& r = runs[i];
+      fs::path dir = fs::path(a.out) / "runs" / r.name;
+      if (rep > 0) dir /= "repeat-" + std::to_string(rep + 1);
+      const std::string trace = rep == 0 ? (dir / "trace.json").string() : "";
+      if (rep == 0) {
+        rows[i].run = r;
+        rows[i].dir = dir.string();
+        rows[i].trace = trace;
+      }
+      const std::vector<std::string> keys = {
+          "run.max_steps=" + std::to_string(steps), "run.progress=\"none\"",
+          "run.warmup=" + std::to_string(warmup), "run.trace=" + quoted(trace)};
+      ++done;
+      log.info("[{}/{}] {} ({}) ...", done, total, r.name, join_on(r.on, ", "));
+      ChildResult res = run_train_child(exe, a.config, a.sets, t, r, dir.string(), keys);
+      if (res.exit_code == 0 && res.report.is_object()) {
+        const json& fit = res.report["fit"];
+        log.info("[{}/{}] {}: peak {}, step {:.1f} ms, {:.1f} s", done, total, r.name,
+                 format_bytes(get_i(fit, "peak_bytes")),
+                 1000 * get_d(fit["step_seconds"], "median"), res.wall_seconds);
+      } else {
+        log.warn("[{}/{}] {} failed (exit {}): {}", done, total, r.name, res.exit_code, res.error);
+      }
+      results[i].push_back(std::move(res));
+    }
+  }
+  for (size_t i = 0; i < runs.size(); ++i) summarize(rows[i], results[i]);
+  compare(rows);
+  meta["wall_seconds"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  meta["load_average_at_end"] = machine_info().value("load_average", json());
+
+  const bool plots = write_plots(rows, (fs::path(a.out) / "plots").string(), steps, log);
+  json out = meta;
+  out["plots"] = plots;
+  out["runs"] = json::array();
+  for (const auto& r : rows) out["runs"].push_back(row_json(r));
+  write_file_atomic((fs::path(a.out) / "results.json").string(), out.dump(2) + "\n");
+  write_file_atomic((fs::path(a.out) / "results.csv").string(), results_csv(rows));
+  const std::string md = report_md(rows, meta, plots);
+  write_file_atomic((fs::path(a.out) / "report.md").string(), md);
+  std::cout << md << std::flush;
+  const size_t failed = std::count_if(rows.begin(), rows.end(), [](const Row& r) { return !r.ok; });
+  log.info("ablation done in {:.0f} s: {} run(s), {} failed; {}/report.md, results.json, "
+           "results.csv{}", meta["wall_seconds"].get<double>(), rows.size(), failed, a.out,
+           plots ? ", plots/" : "");
+  // A failed run is a result, not a failure of the ablation; the baseline is needed though.
+  return rows.front().ok ? 0 : 1;
+}
+
+}  // namespace frugal::cli
