@@ -89,6 +89,12 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   learner->set_max_batches(c.run.max_steps);
+  OomPolicy oom;
+  oom.budget = c.run.memory_budget_bytes();
+  oom.retry = c.run.on_oom == "retry";
+  oom.max_retries = c.run.oom_retries;
+  oom.auto_micro_batch = c.run.micro_batch == "auto";
+  learner->set_oom_policy(oom);
   return learner;
 }
 

@@ -20,7 +20,14 @@ struct RunOptions : Options {
   int64_t max_steps = 0;               ///< stop the fit after this many batches; 0 = no limit
   int64_t log_every = 100;             ///< batches between log lines when not on a terminal
   std::string progress = "auto";       ///< auto | bar | log | none
+  std::string memory_budget;           ///< "1GiB"; "" = none (parse with memory_budget_bytes)
+  std::string on_oom = "fail";         ///< fail | retry
+  int64_t oom_retries = 4;             ///< retry: out-of-memory errors allowed on one batch
+  std::string micro_batch = "off";     ///< off | auto (the largest that fits memory_budget)
   void visit(FieldVisitor& v) override;
+  void check() const override;
+  /// memory_budget in bytes (0 = none).
+  int64_t memory_budget_bytes() const;
 };
 
 struct DataOptions : Options {
