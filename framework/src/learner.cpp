@@ -284,7 +284,7 @@ void Learner::fit(const std::vector<Stage>& stages) {
   // inherit it.
   std::optional<ScopedMemoryBudget> budget;
   if (oom_.budget > 0) budget.emplace(oom_.budget);
-  micro_cap_ = oom_count_ = 0;
+  micro_cap_ = oom_count_ = last_micro_batch_ = 0;
   oom_retries_.clear();
   auto_micro_batches_.clear();
   if (memory().budget() > 0 && memory().current() > memory().budget())
@@ -454,6 +454,7 @@ void Learner::train_batch(const Batch& b) {
       batch_loss = batch_loss.defined() ? batch_loss + weighted : weighted;
       begin += len;
       ++micro_index_;
+      last_micro_batch_ = mbs;
     }
     micro_index_ = std::max<int64_t>(0, std::min(micro_index_, micro_count_ - 1));
     x_ = bx;
@@ -992,7 +993,7 @@ nlohmann::json Learner::report() const {
     out["oom"] = {{"budget", oom_.budget},
                   {"on_oom", oom_.retry ? "retry" : "fail"},
                   {"count", oom_count_},
-                  {"micro_batch", destroyed_ ? 0 : effective_micro_batch(train_.batch_size())},
+                  {"micro_batch", last_micro_batch_},  // as the last batch ran
                   {"retries", retries},
                   {"auto", autos}};
   }

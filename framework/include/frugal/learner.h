@@ -260,6 +260,7 @@ class Learner {
   bool destroyed_ = false;
   OomPolicy oom_;
   int64_t micro_cap_ = 0, oom_count_ = 0;
+  int64_t last_micro_batch_ = 0;  // the micro-batch the last training batch ran at
   struct OomRetry {
     int64_t iteration = 0;
     Phase phase = Phase::Forward;
