@@ -292,10 +292,24 @@ void Learner::fit(const std::vector<Stage>& stages) {
                    " is less than what the model, the optimizer and the data already hold (" +
                    format_bytes(memory().current()) + " live): raise the budget");
 
-  fire(Event::BeforeFit);
-  for (size_t i = 0; i < stages_.size() && !stop_fit_; ++i) {
-    stage_index_ = static_cast<int64_t>(i);
-    run_stage(stages_[i]);
+  std::string oom;
+  try {
+    fire(Event::BeforeFit);
+    for (size_t i = 0; i < stages_.size() && !stop_fit_; ++i) {
+      stage_index_ = static_cast<int64_t>(i);
+      run_stage(stages_[i]);
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    // Out of memory where no retry applies (a callback's hook, validation): the loop's own
+    // places throw OomError with more context.
+    oom = first_line(e.what_without_backtrace());
+  }
+  if (!oom.empty()) {
+    reset_batch_state();
+    ++oom_count_;
+    throw OomError("out of memory in event '" + std::string(to_string(event_)) + "' (iteration " +
+                   std::to_string(iteration_) + "): " + oom +
+                   ". Retries cover the forward and backward of training batches only");
   }
   reset_batch_state();
   fire(Event::AfterFit);

@@ -230,6 +230,40 @@ TEST(OomRetry, GradAccumSplitDoesNotUndoTheCapAtTheNextStage) {
   EXPECT_TRUE(params_equal(*l->model(), retried.params));
 }
 
+TEST(OomRetry, AmpAutocastRetriesAndEndsOff) {
+  // Under amp (bfloat16 autocast) the retried run equals an amp run micro-batched at the final
+  // size from the start, and autocast is off after the fit.
+  const TinySetup s = wide_batch();
+  PluginHost host;
+  const char* amp = "[plugins.amp]\ndtype = \"bfloat16\"\n";
+  auto fit_amp = [&](int64_t micro, int64_t budget, bool retry) {
+    auto l = make_tiny_learner(s);
+    for (auto& cb : host.load(plugins_of(amp), "cfg.toml")) l->add_callback(cb);
+    l->set_micro_batch_size(micro);
+    l->set_oom_policy({budget, retry, 4, false});
+    l->fit(1);
+    FitRun r = finish(*l);
+    r.micro_batch = l->micro_batch_cap() > 0 ? l->micro_batch_cap() : micro;
+    return r;
+  };
+  auto footprint = [&](int64_t micro) {
+    auto l = make_tiny_learner(s);
+    for (auto& cb : host.load(plugins_of(amp), "cfg.toml")) l->add_callback(cb);
+    l->set_micro_batch_size(micro);
+    l->fit(1);
+    return l->report()["peak_bytes"].get<int64_t>();
+  };
+  const int64_t whole = footprint(0), floor = footprint(8);
+  const FitRun retried = fit_amp(0, floor + (whole - floor) / 2, true);
+  EXPECT_GT(retried.ooms, 0);
+  EXPECT_EQ(retried.iterations, 2);
+  EXPECT_FALSE(compat::autocast_enabled(c10::DeviceType::CPU));
+  const FitRun plain = fit_amp(retried.micro_batch, 0, false);
+  ASSERT_EQ(plain.params.size(), retried.params.size());
+  for (size_t i = 0; i < plain.params.size(); ++i)
+    EXPECT_TRUE(torch::equal(plain.params[i], retried.params[i])) << i;
+}
+
 TEST(OomRetry, StopsWithOomErrorNamingTheBudgetWhenNothingFits) {
   // Wide layers: the gradients (1 MiB) are far more than the batch (64 KiB).
   TinySetup s = exact_setup(128, 64, 0.1);
@@ -274,6 +308,22 @@ TEST(OomRetry, StopsWithOomErrorNamingTheBudgetWhenNothingFits) {
   EXPECT_NE(lm.find("out of memory loading training batch 0 of 64 samples"), std::string::npos)
       << lm;
   loading.reset();
+
+  // Out of memory outside forward and backward (here a callback's hook) stops as OomError
+  // naming the event, without LibTorch's backtrace.
+  struct Hungry : Callback {
+    std::string name() const override { return "hungry"; }
+    void before_step(Learner&) override { big = torch::ones({1 << 22}); }
+    torch::Tensor big;
+  };
+  auto hungry = make_tiny_learner(s);
+  hungry->add_callback(std::make_shared<Hungry>());
+  hungry->set_oom_policy({MemoryMeter::get().current() + (8 << 20), true, 4, false});
+  const std::string hm = message_of([&] { hungry->fit(1); });
+  EXPECT_EQ(hm.find("out of memory in event 'before_step' (iteration 0): frugal: out of memory: "
+                    "tried to allocate 16.0 MiB"), 0u) << hm;
+  EXPECT_EQ(hm.find("Exception raised from"), std::string::npos) << hm;
+  hungry.reset();
 
   // A budget below what the learner already holds is refused before any batch.
   auto under = make_tiny_learner(s);
