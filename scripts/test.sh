@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs what is missing (Debian 12 packages), builds, and runs every test with ctest.
+# Installs what is missing (Debian 12 packages), builds, and runs every test with ctest; then
+# builds the `asan` preset (AddressSanitizer + UndefinedBehaviorSanitizer, CMakePresets.json)
+# and runs the suite again under it. FRUGAL_SKIP_SANITIZERS=1 skips the second part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash third_party/install-deps.sh
@@ -7,3 +9,13 @@ jobs=$(nproc)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFRUGAL_BUILD_TESTS=ON
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 900
+
+if [ "${FRUGAL_SKIP_SANITIZERS:-0}" != 1 ]; then
+  start=$(date +%s)
+  cmake --preset asan
+  cmake --build --preset asan -j "$jobs"
+  # The out-of-tree install test (label "install") is left out: it rebuilds a project outside
+  # the preset's flags. Everything else, fuzz, resume and hostile-input tests included, runs.
+  ctest --preset asan -j "$jobs"
+  echo "sanitizer build and tests: $(( $(date +%s) - start )) s"
+fi

@@ -1,6 +1,7 @@
 // The `frugal` command: train, check.
 #include <unistd.h>
 
+#include <filesystem>
 #include <functional>
 #include <iostream>
 
@@ -18,6 +19,7 @@ namespace {
 struct Common {
   std::string config;
   std::vector<std::string> sets;
+  std::string resume;  // train only
 };
 
 void add_common(CLI::App* cmd, Common& c) {
@@ -56,9 +58,21 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
   for (const auto& d : found) {
     std::cout << "\n" << d.name << " " << d.version << ": " << d.description << "\n  " << d.path
               << " (ABI " << d.abi_version << ", LibTorch " << d.torch_version << ")\n";
-    for (const auto& o : d.options)
-      std::cout << "  " << o.value("key", "") << " = " << o["default"].dump() << "  ("
-                << o.value("allowed", "") << ") " << o.value("help", "") << "\n";
+    // A nested table (optim_swap's `to`) lists its fields as table.key.
+    std::function<void(const nlohmann::json&, const std::string&)> print =
+        [&](const nlohmann::json& options, const std::string& prefix) {
+          for (const auto& o : options) {
+            const std::string key = prefix + o.value("key", "");
+            if (o.value("type", "") == "table") {
+              std::cout << "  " << key << ": " << o.value("help", "") << "\n";
+              print(o["fields"], key + ".");
+              continue;
+            }
+            std::cout << "  " << key << " = " << o["default"].dump() << "  ("
+                      << o.value("allowed", "") << ") " << o.value("help", "") << "\n";
+          }
+        };
+    print(d.options, "");
   }
   for (const auto& p : problems) std::cout << "\nnot loadable: " << p << "\n";
   return 0;
@@ -72,10 +86,27 @@ int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
   auto plugin_callbacks = host.load(cfg.plugins, cfg.source);
   frugal::check_config(cfg);
   frugal::ensure_writable_dir(cfg.run.out_dir);
+  if (cfg.run.checkpoint_every > 0 || cfg.run.checkpoint_epochs > 0)
+    frugal::ensure_writable_dir(std::filesystem::path(frugal::checkpoint_path(cfg.run)).parent_path().string());
+  // A resume continues the same run: the checkpoint's config must be this one.
+  std::string checkpoint;
+  if (!opt.resume.empty()) {
+    checkpoint = frugal::resume_checkpoint(opt.resume);
+    frugal::check_resume_config(cfg, frugal::Learner::read_checkpoint(checkpoint)["info"], checkpoint);
+  }
 
   auto learner = frugal::make_learner(cfg);
   for (auto& cb : plugin_callbacks) learner->add_callback(cb);
   log->info("plugins: {}", joined(host.loaded()));
+  if (!checkpoint.empty()) {
+    learner->load_checkpoint(checkpoint);
+    const frugal::FitPosition p = *learner->pending_resume();
+    if (p.done)
+      log->info("resuming from {}: that fit had ended; nothing is left to train", checkpoint);
+    else
+      log->info("resuming from {}: stage {} epoch {} batch {} ({} batches, {} steps done)",
+                checkpoint, p.stage + 1, p.epoch + 1, p.batch + 1, p.iteration, p.steps);
+  }
   learner->add_callback(std::make_shared<frugal::ProgressCallback>(
       frugal::ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
   log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
@@ -83,9 +114,27 @@ int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
             learner->device().str(), at::get_num_threads(), frugal::compat::torch_version());
 
   nlohmann::json extra = {{"plugins", host.loaded()}};
+  if (!checkpoint.empty()) extra["resumed_from"] = checkpoint;
   int rc = 0;
   try {
     learner->fit(cfg.stages);
+  } catch (const frugal::OomError& e) {
+    extra["error"] = e.what();
+    log->error("{}", e.what());
+    rc = 1;
+    // Out of memory in forward or backward leaves the model as before the failed batch: a
+    // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
+    // the parameters: no checkpoint then.
+    if (std::string(e.what()).find("in the optimizer step") == std::string::npos) {
+      const std::string path = frugal::checkpoint_path(cfg.run);
+      try {
+        learner->save_checkpoint(path, frugal::checkpoint_info(cfg));
+        extra["checkpoint"] = path;
+        log->info("checkpoint of the failed batch's start saved to {}", path);
+      } catch (const std::exception& ce) {
+        log->error("could not save a checkpoint after the out-of-memory error: {}", ce.what());
+      }
+    }
   } catch (const std::exception& e) {
     // The report still gets written, saying why the run stopped.
     extra["error"] = e.what();
@@ -153,6 +202,9 @@ int main(int argc, char** argv) {
   Common train_opt, check_opt;
   auto* train = app.add_subcommand("train", "train a model as a TOML file describes, then write its report");
   add_common(train, train_opt);
+  train->add_option("--resume", train_opt.resume,
+                    "continue the run whose checkpoint is in this run folder (its "
+                    "checkpoints/last.ckpt) or file; CONFIG must be that run's config");
   auto* check = app.add_subcommand("check", "validate a TOML file without training");
   add_common(check, check_opt);
 

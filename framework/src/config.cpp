@@ -35,6 +35,13 @@ void RunOptions::visit(FieldVisitor& v) {
   v.field("progress", progress,
           "progress display; auto = a bar on a terminal, log lines otherwise",
           {"auto", "bar", "log", "none"});
+  v.field("checkpoint_every", checkpoint_every,
+          "write <out_dir>/checkpoints/last.ckpt every N optimizer steps (and at the end of "
+          "the fit), for `frugal train --resume`; 0 = off",
+          at_least(0));
+  v.field("checkpoint_epochs", checkpoint_epochs,
+          "write the checkpoint every N epochs (and at the end of the fit); 0 = off",
+          at_least(0));
   v.field("memory_budget", memory_budget,
           "memory the run may hold, e.g. \"1GiB\"; past it an allocation fails as out of "
           "memory (cpu: the tracking allocator; cuda: the allocator's memory fraction); "

@@ -106,15 +106,26 @@ torch::Tensor read_idx(const std::string& path) {
     throw_data_error("'" + path + "' is truncated: expected " + std::to_string(4 * ndims) +
                      " bytes of header sizes, got " + std::to_string(got));
   std::vector<int64_t> sizes(ndims);
+  // The most data the file can hold: its own size, or gzip's best ratio (1032:1) of it. A
+  // header that claims more is corrupt; refused before any allocation.
+  const auto on_disk = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+  const int64_t most = ec ? std::numeric_limits<int64_t>::max() : on_disk * 1032 + 1024;
   int64_t count = 1;
+  std::string shape;
   for (int d = 0; d < ndims; ++d) {
     const unsigned char* b = &dims_raw[4 * d];
     uint32_t v = (uint32_t(b[0]) << 24) | (uint32_t(b[1]) << 16) | (uint32_t(b[2]) << 8) | b[3];
     if (v > uint32_t(std::numeric_limits<int32_t>::max()))
       throw_data_error("'" + path + "' has a negative size in dimension " + std::to_string(d));
     sizes[d] = v;
-    count *= sizes[d];
+    shape += (d ? " x " : "") + std::to_string(v);
+    // count stays <= most (< 2^63 / 2^31) before each multiplication: no overflow.
+    if (v != 0 && count > most / static_cast<int64_t>(v)) count = most + 1;
+    else count *= sizes[d];
   }
+  if (count > most)
+    throw_data_error("'" + path + "' is corrupt: its header claims " + shape + " bytes of data, " +
+                     "more than a file of " + std::to_string(on_disk) + " bytes can hold");
   auto out = torch::empty(sizes, torch::kUInt8);
   got = read_some(f.get(), out.data_ptr<uint8_t>(), count, path);
   if (got != count)

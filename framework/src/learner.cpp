@@ -1,10 +1,13 @@
 #include "frugal/learner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <spdlog/spdlog.h>
 
@@ -54,8 +57,165 @@ int64_t dataset_bytes(const Dataset& d) {
   return n;
 }
 
+// Writes an archive straight to its temp file (a checkpoint is never buffered whole in
+// memory), then renames it over `path`.
+void write_archive(torch::serialize::OutputArchive& archive, const std::string& path) {
+  const std::filesystem::path target(path);
+  try {
+    if (target.has_parent_path()) std::filesystem::create_directories(target.parent_path());
+    write_file_atomic(path, [&](const std::string& tmp) { archive.save_to(tmp); });
+  } catch (const c10::Error& e) {
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + first_line(e.what_without_backtrace()));
+  } catch (const std::filesystem::filesystem_error& e) {
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + e.code().message());
+  } catch (const Error& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
+// Opens a frugal checkpoint; every way it can be unreadable is a CheckpointError naming it.
+void open_archive(const std::string& path, const torch::Device& device,
+                  torch::serialize::InputArchive& archive) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) throw CheckpointError("checkpoint '" + path + "' does not exist");
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw CheckpointError("checkpoint '" + path + "' is not a file");
+  try {
+    archive.load_from(path, device);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint '" + path +
+                          "' is unreadable (truncated, or not a checkpoint): " +
+                          first_line(e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw CheckpointError("checkpoint '" + path +
+                          "' is unreadable (truncated, or not a checkpoint): " + first_line(e.what()));
+  }
+  c10::IValue format;
+  if (!archive.try_read("frugal.format", format))
+    throw CheckpointError("'" + path + "' is not a frugal checkpoint (it has no frugal.format record)");
+  if (!format.isInt() || format.toInt() != 1)
+    throw CheckpointError("checkpoint '" + path + "' has format " + format.tagKind() +
+                          " " + (format.isInt() ? std::to_string(format.toInt()) : "") +
+                          "; this frugal reads format 1");
+}
+
+// LibTorch's Module::load replaces a tensor of another shape without a word: every shape is
+// checked first, so a checkpoint of another model is refused before anything changes.
+void check_shapes(torch::nn::Module& m, torch::serialize::InputArchive& a, const std::string& prefix,
+                  const std::string& path) {
+  auto check = [&](const std::string& key, const torch::Tensor& now, bool buffer) {
+    torch::Tensor saved;
+    if (!a.try_read(key, saved, buffer))
+      throw CheckpointError("checkpoint '" + path + "' does not fit this model: it has no '" +
+                            prefix + key + "'");
+    if (saved.sizes() != now.sizes())
+      throw CheckpointError("checkpoint '" + path + "' does not fit this model: '" + prefix + key +
+                            "' is " + c10::str(saved.sizes()) + " there, " + c10::str(now.sizes()) +
+                            " here");
+  };
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) check(p.key(), p.value(), false);
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) check(b.key(), b.value(), true);
+  for (const auto& c : m.named_children()) {
+    torch::serialize::InputArchive sub;
+    if (!a.try_read(c.key(), sub))
+      throw CheckpointError("checkpoint '" + path + "' does not fit this model: it has no module '" +
+                            prefix + c.key() + "'");
+    check_shapes(*c.value(), sub, prefix + c.key() + ".", path);
+  }
+}
+
+void load_model(torch::nn::Module& model, torch::serialize::InputArchive& archive,
+                const std::string& path) {
+  torch::serialize::InputArchive model_archive;
+  if (!archive.try_read("model", model_archive))
+    throw CheckpointError("checkpoint '" + path + "' has no model");
+  check_shapes(model, model_archive, "", path);
+  try {
+    model.load(model_archive);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("checkpoint '" + path + "' does not fit this model: " +
+                          first_line(e.what_without_backtrace()));
+  }
+}
+
+// The "frugal.resume" record: position, statistics, names; JSON text in the archive.
+nlohmann::json read_resume_record(torch::serialize::InputArchive& archive, const std::string& path) {
+  c10::IValue text;
+  if (!archive.try_read("frugal.resume", text) || !text.isString())
+    throw CheckpointError("checkpoint '" + path +
+                          "' holds no resume state (Learner::save wrote it): load it with load()");
+  try {
+    auto j = nlohmann::json::parse(text.toStringRef());
+    // Every field fit() reads, checked here so that a damaged record fails before any work.
+    const auto& p = j.at("position");
+    for (const char* k : {"stage", "epoch", "batch", "data_epoch", "iteration", "steps"})
+      if (p.at(k).get<int64_t>() < 0) throw std::out_of_range(std::string("negative ") + k);
+    for (const char* k : {"stop_epoch", "stop_fit", "done"}) (void)p.at(k).get<bool>();
+    (void)j.at("stages").get<std::vector<std::string>>();
+    (void)j.at("callbacks").get<std::vector<std::string>>();
+    (void)j.at("optimizer").get<std::string>();
+    (void)j.at("loss_count").get<int64_t>();
+    if (!j.at("stats").is_array()) throw std::out_of_range("stats is not an array");
+    return j;
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("checkpoint '" + path + "' has a damaged resume record: " + e.what());
+  } catch (const std::out_of_range& e) {
+    throw CheckpointError("checkpoint '" + path + "' has a damaged resume record: " + e.what());
+  }
+}
+
+// JSON has no NaN (a diverged loss): it is stored as null.
+double number(const nlohmann::json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : std::nan("");
+}
+
+nlohmann::json stats_to_json(const StageStats& s) {
+  nlohmann::json steady = s.steady;
+  return {{"name", s.name},
+          {"peak_bytes", s.peak_bytes},
+          {"phase_peaks", s.phase_peaks},
+          {"steady", steady},
+          {"steady_measured", s.steady_measured},
+          {"step_seconds", s.step_seconds},
+          {"samples", s.samples},
+          {"train_seconds", s.train_seconds},
+          {"last_epoch_loss", s.last_epoch_loss},
+          {"valid_accuracy", s.valid_accuracy}};
+}
+
+StageStats stats_from_json(const nlohmann::json& j) {
+  StageStats s;
+  s.name = j.at("name").get<std::string>();
+  s.peak_bytes = j.at("peak_bytes").get<int64_t>();
+  s.phase_peaks = j.at("phase_peaks").get<std::array<int64_t, 4>>();
+  const auto& b = j.at("steady");
+  s.steady.parameters = b.value("parameters", int64_t{0});
+  s.steady.gradients = b.value("gradients", int64_t{0});
+  s.steady.optimizer_state = b.value("optimizer_state", int64_t{0});
+  s.steady.activations = b.value("activations", int64_t{0});
+  s.steady.data = b.value("data", int64_t{0});
+  s.steady.other = b.value("other", int64_t{0});
+  s.steady_measured = j.at("steady_measured").get<bool>();
+  for (const auto& t : j.at("step_seconds")) s.step_seconds.push_back(t.is_number() ? t.get<double>() : 0.0);
+  s.samples = j.at("samples").get<int64_t>();
+  s.train_seconds = number(j, "train_seconds");
+  s.last_epoch_loss = number(j, "last_epoch_loss");
+  s.valid_accuracy = number(j, "valid_accuracy");
+  return s;
+}
+
+// The default generators whose draws a run makes (dropout, random augmentations).
+at::Generator cpu_generator() { return at::detail::getDefaultCPUGenerator(); }
 
 }  // namespace
+
+struct Learner::PendingResume {
+  torch::serialize::InputArchive archive;
+  nlohmann::json record;
+  FitPosition position;
+  std::string path;
+};
 
 Learner::Learner(torch::nn::Sequential model, DataLoader train, std::optional<DataLoader> valid,
                  OptimizerOptions optimizer, LossFn loss, torch::Device device)
@@ -175,6 +335,7 @@ void Learner::set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, Optimi
   optimizer_.reset();  // free the old state before the new one lives
   optimizer_ = std::move(opt);
   optimizer_options_ = std::move(o);
+  ++optimizer_changes_;
 }
 
 void Learner::set_optimizer(const OptimizerOptions& o) {
@@ -182,6 +343,7 @@ void Learner::set_optimizer(const OptimizerOptions& o) {
   optimizer_.reset();
   optimizer_ = make_optimizer(o, model_->parameters());
   optimizer_options_ = o;
+  ++optimizer_changes_;
 }
 
 void Learner::zero_grad() {
@@ -276,7 +438,10 @@ void Learner::fit(const std::vector<Stage>& stages) {
   stages_ = stages;
   stage_stats_.clear();
   iteration_ = steps_ = 0;
+  size_t first_stage = 0;
+  if (resume_) first_stage = prepare_resume();
   stop_fit_ = stop_epoch_ = false;
+  next_ = FitPosition{static_cast<int64_t>(first_stage), 0, 0, global_epoch_, iteration_, steps_};
   memory().clear_records();
   model_->train();
 
@@ -295,7 +460,8 @@ void Learner::fit(const std::vector<Stage>& stages) {
   std::string oom;
   try {
     fire(Event::BeforeFit);
-    for (size_t i = 0; i < stages_.size() && !stop_fit_; ++i) {
+    if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
+    for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {
       stage_index_ = static_cast<int64_t>(i);
       run_stage(stages_[i]);
     }
@@ -312,6 +478,7 @@ void Learner::fit(const std::vector<Stage>& stages) {
                    ". Retries cover the forward and backward of training batches only");
   }
   reset_batch_state();
+  next_.done = true;
   fire(Event::AfterFit);
 }
 
@@ -322,8 +489,11 @@ void Learner::run_stage(const Stage& s) {
   if (valid_) valid_->set_image_size(s.image_size);
   if (s.has_optimizer) set_optimizer(s.optimizer);
 
-  stage_stats_.emplace_back();
-  stage_stats_.back().name = s.name;
+  // A resumed stage continues the statistics its checkpoint holds.
+  if (static_cast<int64_t>(stage_stats_.size()) <= stage_index_) {
+    stage_stats_.emplace_back();
+    stage_stats_.back().name = s.name;
+  }
   last_probe_ = {};  // a short stage falls back to its own last batch, not the previous stage's
   memory().open_window(kStageWindow);
 
@@ -335,13 +505,16 @@ void Learner::run_stage(const Stage& s) {
     auto_micro_batches_.emplace_back(s.name, find_micro_batch());
     memory().open_window(kStageWindow);
   }
-  for (int64_t e = 0; e < s.epochs && !stop_fit_; ++e) {
+  const int64_t first_epoch = resume_ ? resume_epoch() : 0;
+  if (resume_ && first_epoch >= s.epochs) apply_resume();  // only after_stage was left
+  for (int64_t e = first_epoch; e < s.epochs && !stop_fit_; ++e) {
     epoch_ = e;
     run_epoch();
   }
   StageStats& st = stage_stats_.back();
-  st.peak_bytes = std::max(peak_before_probe, memory().window_peak(kStageWindow));
+  st.peak_bytes = std::max({st.peak_bytes, peak_before_probe, memory().window_peak(kStageWindow)});
   memory().record_stage_peak(s.name, st.peak_bytes);
+  next_ = FitPosition{stage_index_ + 1, 0, 0, global_epoch_, iteration_, steps_};
   fire(Event::AfterStage);
 }
 
@@ -356,9 +529,17 @@ void Learner::run_epoch() {
   stop_epoch_ = false;
   num_batches_ = train_.num_batches();
 
+  next_ = FitPosition{stage_index_, epoch_, 0, global_epoch_ - 1, iteration_, steps_};
+
   fire(Event::BeforeTrain);
+  int64_t first = 0;
+  bool run = true;
+  if (resume_) {
+    first = apply_resume();
+    run = !stop_epoch_ && !stop_fit_;  // the checkpointed batch had ended the epoch or the fit
+  }
   auto t_train = Clock::now();
-  for (int64_t i = 0; i < num_batches_; ++i) {
+  for (int64_t i = first; run && i < num_batches_; ++i) {
     batch_index_ = i;
     Batch b;
     bool oom = false;
@@ -390,6 +571,8 @@ void Learner::run_epoch() {
   training_ = false;
 
   if (valid_ && !stop_fit_) st.valid_accuracy = validate();
+  next_ = FitPosition{stage_index_, epoch_ + 1, 0, global_epoch_, iteration_, steps_};
+  next_.stop_fit = stop_fit_;
   fire(Event::AfterEpoch);
 }
 
@@ -507,10 +690,8 @@ void Learner::train_batch(const Batch& b) {
     loss_sum_ += loss_.detach().to(torch::kFloat);
     ++loss_count_;
   }
+  complete_batch(b, seconds_since(t0));
   fire(Event::AfterBatch);
-
-  st.step_seconds.push_back(seconds_since(t0));
-  st.samples += b.size();
   if (!st.steady_measured && !skip_batch_ && forward_peak > 0) {
     // The steady state: fastai's observation is that from the second batch on memory is
     // constant; the stage's third batch (or its last, if shorter) is measured. Nothing is
@@ -520,7 +701,7 @@ void Learner::train_batch(const Batch& b) {
     m.gradients = grads;
     m.optimizer_state = optimizer_state_bytes(*optimizer_);
     m.activations = std::max<int64_t>(0, forward_peak - live_before_forward);
-    m.data = dataset_bytes(train_.dataset()) + (valid_ ? dataset_bytes(valid_->dataset()) : 0);
+    m.data = data_bytes();
     m.other = std::max<int64_t>(
         0, live_before_forward - m.parameters - m.optimizer_state - m.data);
     last_probe_ = {true, m};
@@ -582,6 +763,10 @@ void Learner::note_phase_peak(Phase p, int64_t bytes) {
     auto& v = stage_stats_.back().phase_peaks[static_cast<size_t>(p)];
     v = std::max(v, bytes);
   }
+}
+
+int64_t Learner::data_bytes() const {
+  return dataset_bytes(live().train_.dataset()) + (valid_ ? dataset_bytes(valid_->dataset()) : 0);
 }
 
 double Learner::epoch_loss() const {
@@ -849,7 +1034,6 @@ std::vector<std::string> Learner::frozen() const {
 
 void Learner::save(const std::string& path, bool with_opt) {
   live();
-  namespace fs = std::filesystem;
   torch::serialize::OutputArchive archive;
   archive.write("frugal.format", c10::IValue(int64_t{1}));
   torch::serialize::OutputArchive model_archive;
@@ -861,41 +1045,14 @@ void Learner::save(const std::string& path, bool with_opt) {
     archive.write("optimizer", opt_archive);
     archive.write("optimizer.name", c10::IValue(optimizer_options_.name));
   }
-  const fs::path target(path);
-  if (target.has_parent_path()) fs::create_directories(target.parent_path());
-  try {
-    // Straight to the temp file: a checkpoint is never buffered whole in memory.
-    write_file_atomic(path, [&](const std::string& tmp) { archive.save_to(tmp); });
-  } catch (const c10::Error& e) {
-    throw CheckpointError("cannot write checkpoint '" + path + "': " + first_line(e.what_without_backtrace()));
-  } catch (const Error& e) {
-    throw CheckpointError(e.what());
-  }
+  write_archive(archive, path);
 }
 
 void Learner::load(const std::string& path, bool with_opt) {
   live();
-  if (!std::filesystem::exists(path)) throw CheckpointError("checkpoint '" + path + "' does not exist");
   torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path, device_);
-  } catch (const c10::Error& e) {
-    throw CheckpointError("checkpoint '" + path +
-                          "' is unreadable (truncated, or not a checkpoint): " +
-                          first_line(e.what_without_backtrace()));
-  }
-  c10::IValue format;
-  if (!archive.try_read("frugal.format", format))
-    throw CheckpointError("'" + path + "' is not a frugal checkpoint (it has no frugal.format record)");
-  torch::serialize::InputArchive model_archive;
-  if (!archive.try_read("model", model_archive))
-    throw CheckpointError("checkpoint '" + path + "' has no model");
-  try {
-    model_->load(model_archive);
-  } catch (const c10::Error& e) {
-    throw CheckpointError("checkpoint '" + path + "' does not fit this model: " +
-                          first_line(e.what_without_backtrace()));
-  }
+  open_archive(path, device_, archive);
+  load_model(*model_, archive, path);
   if (!with_opt) return;
   torch::serialize::InputArchive opt_archive;
   if (!archive.try_read("optimizer", opt_archive))
@@ -913,6 +1070,246 @@ void Learner::load(const std::string& path, bool with_opt) {
     throw CheckpointError("checkpoint '" + path + "': optimizer state does not fit: " +
                           first_line(e.what_without_backtrace()));
   }
+}
+
+// ---------------------------------------------------------------- checkpoint and resume
+
+void Learner::complete_batch(const Batch& b, double seconds) {
+  StageStats& st = stage_stats_.back();
+  st.step_seconds.push_back(seconds);
+  st.samples += b.size();
+  next_.batch = batch_index_ + 1;
+  next_.iteration = iteration_ + 1;
+  next_.steps = steps_;
+}
+
+FitPosition Learner::position() const {
+  FitPosition p = next_;
+  if (training_) {
+    // A batch that failed after its optimizer step counts as done: replaying it would step
+    // twice.
+    if (steps_ > p.steps) {
+      p.batch = batch_index_ + 1;
+      p.iteration = iteration_ + 1;
+      p.steps = steps_;
+    }
+    p.stop_epoch = stop_epoch_;
+    p.stop_fit = stop_fit_;
+  } else if (stop_fit_) {
+    p.done = true;  // between epochs or stages: nothing of a stopped fit is left
+  }
+  return p;
+}
+
+void Learner::save_checkpoint(const std::string& path, const nlohmann::json& info) {
+  live();
+  using nlohmann::json;
+  const FitPosition p = position();
+  json record;
+  record["position"] = {{"stage", p.stage},         {"epoch", p.epoch},
+                        {"batch", p.batch},         {"data_epoch", p.data_epoch},
+                        {"iteration", p.iteration}, {"steps", p.steps},
+                        {"stop_epoch", p.stop_epoch}, {"stop_fit", p.stop_fit},
+                        {"done", p.done}};
+  json stage_names = json::array(), stats = json::array(), callback_names = json::array();
+  for (const auto& s : stages_) stage_names.push_back(s.name);
+  for (const auto& s : stage_stats_) stats.push_back(stats_to_json(s));
+  for (const auto& c : callbacks_) callback_names.push_back(c->name());
+  record["stages"] = stage_names;
+  record["stats"] = stats;
+  record["callbacks"] = callback_names;
+  record["optimizer"] = optimizer_options_.name;
+  // The running loss belongs to the position's epoch only while it trains; between epochs it
+  // is the finished epoch's.
+  record["loss_count"] = training_ ? loss_count_ : 0;
+  record["valid_accuracy"] = valid_accuracy_;
+  record["info"] = info;
+
+  torch::serialize::OutputArchive archive;
+  archive.write("frugal.format", c10::IValue(int64_t{1}));
+  archive.write("frugal.resume", c10::IValue(record.dump()));
+  torch::serialize::OutputArchive model_archive;
+  model_->save(model_archive);
+  archive.write("model", model_archive);
+  torch::serialize::OutputArchive opt_archive;
+  optimizer_->save(opt_archive);
+  archive.write("optimizer", opt_archive);
+  archive.write("optimizer.name", c10::IValue(optimizer_options_.name));
+  for (const auto& c : callbacks_) {
+    torch::serialize::OutputArchive sub;
+    try {
+      c->save_state(sub);
+    } catch (const c10::Error& e) {
+      throw CallbackError(c->name(), "save_state", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw CallbackError(c->name(), "save_state", e.what());
+    }
+    archive.write("callbacks." + c->name(), sub);
+  }
+  if (training_ && loss_sum_.defined()) archive.write("loss_sum", loss_sum_);
+  {
+    at::Generator gen = cpu_generator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    archive.write("rng.cpu", gen.get_state());
+  }
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) {
+    at::Generator gen = at::globalContext().defaultGenerator(device_);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    archive.write("rng.cuda", gen.get_state());
+  }
+#endif
+  write_archive(archive, path);
+}
+
+nlohmann::json Learner::read_checkpoint(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  open_archive(path, torch::kCPU, archive);
+  return read_resume_record(archive, path);
+}
+
+nlohmann::json Learner::load_checkpoint(const std::string& path) {
+  live();
+  auto r = std::make_unique<PendingResume>();
+  r->path = path;
+  open_archive(path, device_, r->archive);
+  r->record = read_resume_record(r->archive, path);
+  const auto& p = r->record["position"];
+  r->position = FitPosition{p["stage"].get<int64_t>(),      p["epoch"].get<int64_t>(),
+                            p["batch"].get<int64_t>(),      p["data_epoch"].get<int64_t>(),
+                            p["iteration"].get<int64_t>(),  p["steps"].get<int64_t>(),
+                            p["stop_epoch"].get<bool>(),    p["stop_fit"].get<bool>(),
+                            p["done"].get<bool>()};
+  load_model(*model_, r->archive, path);
+  nlohmann::json info = r->record["info"];
+  resume_ = std::move(r);
+  return info;
+}
+
+std::optional<FitPosition> Learner::pending_resume() const {
+  if (!resume_) return std::nullopt;
+  return resume_->position;
+}
+
+// Before before_fit: the stages must be the checkpoint's; counters and statistics continue.
+size_t Learner::prepare_resume() {
+  const PendingResume& r = *resume_;
+  const auto saved = r.record["stages"].get<std::vector<std::string>>();
+  std::vector<std::string> now;
+  for (const auto& s : stages_) now.push_back(s.name);
+  auto list = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (const auto& n : v) out += (out.empty() ? "" : ", ") + n;
+    return "[" + out + "]";
+  };
+  if (saved != now)
+    throw CheckpointError("checkpoint '" + r.path + "' was saved by a fit with stages " +
+                          list(saved) + "; this fit has " + list(now) +
+                          ": resume with the same stages");
+  const FitPosition& p = r.position;
+  std::vector<StageStats> stats;
+  try {
+    for (const auto& j : r.record["stats"]) stats.push_back(stats_from_json(j));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("checkpoint '" + r.path + "' has damaged stage statistics: " + e.what());
+  }
+  const size_t first = p.done ? stages_.size() : static_cast<size_t>(p.stage);
+  if (first > stages_.size() || stats.size() > stages_.size() ||
+      (!p.done && stats.size() < first))
+    throw CheckpointError("checkpoint '" + r.path + "' has an impossible position (stage " +
+                          std::to_string(p.stage) + " of " + std::to_string(stages_.size()) + ")");
+  // The optimizer of the last stage before the position that set its own (the resumed stage
+  // sets its own again in run_stage).
+  for (size_t i = std::min(first + 1, stages_.size()); i-- > 0;) {
+    if (stages_[i].has_optimizer) {
+      set_optimizer(stages_[i].optimizer);
+      break;
+    }
+  }
+  stage_stats_ = std::move(stats);
+  iteration_ = p.iteration;
+  steps_ = p.steps;
+  global_epoch_ = p.data_epoch;
+  valid_accuracy_ = number(r.record, "valid_accuracy");
+  if (std::isnan(valid_accuracy_)) valid_accuracy_ = -1;
+  return first;
+}
+
+int64_t Learner::resume_epoch() const {
+  return resume_->position.stage == stage_index_ ? resume_->position.epoch : 0;
+}
+
+// At the resumed position, after its before_* events: callbacks, optimizer, running loss,
+// flags and, last, the random generators. Returns the batch to continue with.
+int64_t Learner::apply_resume() {
+  std::unique_ptr<PendingResume> r = std::move(resume_);
+  const std::string& path = r->path;
+  const FitPosition& p = r->position;
+  for (const auto& name : r->record["callbacks"].get<std::vector<std::string>>()) {
+    const bool present = std::any_of(callbacks_.begin(), callbacks_.end(),
+                                     [&](const auto& c) { return c->name() == name; });
+    torch::serialize::InputArchive sub;
+    if (!present && r->archive.try_read("callbacks." + name, sub) && !sub.keys().empty())
+      throw CheckpointError("checkpoint '" + path + "' holds the state of callback '" + name +
+                            "', which this run does not have (is its plugin configured?)");
+  }
+  for (auto& c : callbacks_) {
+    torch::serialize::InputArchive sub;
+    if (!r->archive.try_read("callbacks." + c->name(), sub)) continue;
+    try {
+      c->load_state(*this, sub);
+    } catch (const c10::Error& e) {
+      throw CallbackError(c->name(), "load_state", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw CallbackError(c->name(), "load_state", e.what());
+    }
+  }
+  // A stage with its own optimizer starts it fresh: nothing saved before its start applies.
+  const bool fresh_optimizer = !p.done && p.epoch == 0 && p.batch == 0 &&
+                               p.stage < static_cast<int64_t>(stages_.size()) &&
+                               stages_[static_cast<size_t>(p.stage)].has_optimizer;
+  const std::string saved_opt = r->record["optimizer"].get<std::string>();
+  if (!fresh_optimizer && saved_opt != optimizer_options_.name)
+    throw CheckpointError("checkpoint '" + path + "' holds the state of optimizer '" + saved_opt +
+                          "', this run uses '" + optimizer_options_.name + "' at that point");
+  torch::serialize::InputArchive opt_archive;
+  if (!r->archive.try_read("optimizer", opt_archive))
+    throw CheckpointError("checkpoint '" + path + "' has no optimizer state");
+  if (!fresh_optimizer) {
+    try {
+      optimizer_->load(opt_archive);
+    } catch (const c10::Error& e) {
+      throw CheckpointError("checkpoint '" + path + "': optimizer state does not fit: " +
+                            first_line(e.what_without_backtrace()));
+    }
+  }
+  if (training_ && p.batch > num_batches_)
+    throw CheckpointError("checkpoint '" + path + "' stopped at batch " + std::to_string(p.batch) +
+                          " of an epoch that now has " + std::to_string(num_batches_) +
+                          ": the data changed");
+  torch::Tensor sum;
+  loss_sum_ = r->archive.try_read("loss_sum", sum) && training_
+                  ? sum.to(device_)
+                  : torch::zeros({}, torch::TensorOptions().device(device_));
+  loss_count_ = training_ ? r->record["loss_count"].get<int64_t>() : 0;
+  stop_epoch_ = p.stop_epoch;
+  stop_fit_ = p.stop_fit || p.done || (max_steps_ > 0 && iteration_ >= max_steps_);
+  torch::Tensor state;
+  if (r->archive.try_read("rng.cpu", state)) {
+    at::Generator gen = cpu_generator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state.to(torch::kCPU));
+  }
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda() && r->archive.try_read("rng.cuda", state)) {
+    at::Generator gen = at::globalContext().defaultGenerator(device_);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state.to(torch::kCPU));
+  }
+#endif
+  next_ = p;
+  next_.stop_epoch = next_.stop_fit = false;
+  return p.batch;
 }
 
 int64_t Learner::purge(bool clear_opt) {

@@ -1,7 +1,13 @@
 #include "frugal/run.h"
 
+#include <filesystem>
+#include <map>
 #include <set>
+#include <sstream>
 
+#include <spdlog/spdlog.h>
+
+#include "frugal/checkpoint_writer.h"
 #include "frugal/error.h"
 #include "frugal/registry.h"
 
@@ -89,6 +95,10 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   learner->set_max_batches(c.run.max_steps);
+  if (c.run.checkpoint_every > 0 || c.run.checkpoint_epochs > 0)
+    learner->add_callback(std::make_shared<CheckpointWriter>(
+        checkpoint_path(c.run), c.run.checkpoint_every, c.run.checkpoint_epochs,
+        checkpoint_info(c), spdlog::default_logger()));
   OomPolicy oom;
   oom.budget = c.run.memory_budget_bytes();
   oom.retry = c.run.on_oom == "retry";
@@ -96,6 +106,85 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
   oom.auto_micro_batch = c.run.micro_batch == "auto";
   learner->set_oom_policy(oom);
   return learner;
+}
+
+std::string checkpoint_path(const RunOptions& r) {
+  return (std::filesystem::path(r.out_dir) / "checkpoints" / "last.ckpt").string();
+}
+
+nlohmann::json checkpoint_info(const Config& c) { return {{"config", c.to_toml()}}; }
+
+std::string resume_checkpoint(const std::string& where) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(where, ec)) return where;
+  if (!fs::is_directory(where, ec))
+    throw CheckpointError("--resume '" + where + "': no such file or folder");
+  const std::string in_run = (fs::path(where) / "checkpoints" / "last.ckpt").string();
+  if (fs::is_regular_file(in_run, ec)) return in_run;
+  throw CheckpointError("--resume '" + where + "': no checkpoint in it (looked for " + in_run +
+                        "; a run writes one with run.checkpoint_every or run.checkpoint_epochs)");
+}
+
+namespace {
+
+// Every leaf of a TOML table as "dotted.key" -> its TOML text.
+void flatten(const toml::node& n, const std::string& key, std::map<std::string, std::string>& out) {
+  if (const auto* t = n.as_table()) {
+    for (auto&& [k, v] : *t) flatten(v, key.empty() ? std::string(k.str()) : key + "." + std::string(k.str()), out);
+  } else if (const auto* a = n.as_array(); a && a->is_array_of_tables()) {
+    for (size_t i = 0; i < a->size(); ++i) flatten(*a->get(i), key + "." + std::to_string(i), out);
+  } else {
+    std::ostringstream os;
+    if (const auto* arr = n.as_array())
+      os << *arr;
+    else
+      n.visit([&](auto&& v) { os << v; });
+    out[key] = os.str();
+  }
+}
+
+bool may_differ(const std::string& key) {
+  for (const char* k : {"run.out_dir", "run.device", "run.threads", "run.progress", "run.log_every",
+                        "run.max_steps",
+                        // memory settings: micro-batches keep the step's gradients
+                        "run.memory_budget", "run.on_oom", "run.oom_retries", "run.micro_batch"})
+    if (key == k) return true;
+  return key.rfind("run.checkpoint_", 0) == 0;
+}
+
+}  // namespace
+
+void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path) {
+  if (!info.is_object() || !info.contains("config") || !info["config"].is_string())
+    throw ConfigError("checkpoint '" + path + "' holds no run config; it was not written by "
+                      "`frugal train` and cannot be resumed with --resume");
+  std::map<std::string, std::string> saved, now;
+  try {
+    flatten(toml::parse(info["config"].get<std::string>()), "", saved);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError("checkpoint '" + path + "' holds a damaged run config: " +
+                      std::string(e.description()));
+  }
+  flatten(toml::parse(c.to_toml()), "", now);
+  std::vector<std::string> diffs;
+  for (const auto& [k, v] : saved) {
+    if (may_differ(k)) continue;
+    auto it = now.find(k);
+    if (it == now.end())
+      diffs.push_back(k + " (checkpoint " + v + ", not in " + c.source + ")");
+    else if (it->second != v)
+      diffs.push_back(k + " (checkpoint " + v + ", " + c.source + " " + it->second + ")");
+  }
+  for (const auto& [k, v] : now)
+    if (!may_differ(k) && !saved.count(k)) diffs.push_back(k + " (not in the checkpoint, " + c.source + " " + v + ")");
+  if (diffs.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < diffs.size() && i < 8; ++i) list += "\n  " + diffs[i];
+  if (diffs.size() > 8) list += "\n  ... and " + std::to_string(diffs.size() - 8) + " more";
+  throw ConfigError("cannot resume from '" + path + "': " + c.source + " differs from the run's "
+                    "config in " + std::to_string(diffs.size()) + " key(s) that change the "
+                    "training:" + list + "\nResume with the run's own config (its config.toml)");
 }
 
 }  // namespace frugal

@@ -224,6 +224,21 @@ class Amp : public frugal::Callback {
                  scaler_.unscale_calls(), scaler_.skipped_steps());
   }
 
+  /// The loss scale and its growth tracker (GradScaler.state_dict()), so a resumed run
+  /// scales, skips and grows exactly as the uninterrupted one.
+  void save_state(torch::serialize::OutputArchive& a) const override {
+    const ScalerState st = scaler_.state();
+    a.write("scale", c10::IValue(st.scale));
+    a.write("growth_tracker", c10::IValue(st.growth_tracker));
+  }
+  void load_state(frugal::Learner&, torch::serialize::InputArchive& a) override {
+    c10::IValue scale, tracker;
+    if (!a.try_read("scale", scale) || !a.try_read("growth_tracker", tracker) ||
+        !scale.isDouble() || !tracker.isInt())
+      throw std::runtime_error("the checkpoint holds no loss-scaler state for amp");
+    scaler_.load_state({scale.toDouble(), tracker.toInt()});
+  }
+
   /// The scaler, for checkpoint/resume (state(), load_state()) and for tests.
   GradScaler& scaler() { return scaler_; }
   const GradScaler& scaler() const { return scaler_; }

@@ -70,6 +70,18 @@ class GradAccum : public frugal::Callback {
       ++dropped_;
     }
   }
+  /// Checkpoints are taken only between accumulation groups (CheckpointWriter waits until no
+  /// gradient is pending) and the group of a batch follows from its index, so the position
+  /// suffices; saved here: the counters of the final log line.
+  void save_state(torch::serialize::OutputArchive& a) const override {
+    a.write("steps_before", c10::IValue(steps_before_));
+    a.write("dropped", c10::IValue(dropped_));
+  }
+  void load_state(frugal::Learner&, torch::serialize::InputArchive& a) override {
+    c10::IValue v;
+    if (a.try_read("steps_before", v) && v.isInt()) steps_before_ = v.toInt();
+    if (a.try_read("dropped", v) && v.isInt()) dropped_ = v.toInt();
+  }
   void after_fit(frugal::Learner& l) override {
     if (split_) {
       l.set_micro_batch_size(saved_micro_);

@@ -251,5 +251,95 @@ TEST(AmpWithGradAccum, UnscalesOncePerOptimizerStep) {
     EXPECT_NEAR(split.grad_norms[i] / split_ref.grad_norms[i], 1.0, 0.05);
 }
 
+/// Throws at the n-th batch: a run that dies mid accumulation group.
+struct Crash : Callback {
+  explicit Crash(int64_t at) : at(at) {}
+  std::string name() const override { return "crash"; }
+  void before_batch(Learner& l) override {
+    if (l.iteration() == at) throw std::runtime_error("killed");
+  }
+  int64_t at;
+};
+
+struct ResumeRun {
+  std::vector<torch::Tensor> params;
+  amp::ScalerState scaler;
+  int64_t steps = 0;
+};
+
+/// grad_accum (accumulate, 2 batches a step) and amp with a scaler that grows every 2 good
+/// steps and backs off at an injected inf; checkpoints after every step. With `crash_at`, the
+/// run dies there and a fresh learner resumes from the last checkpoint.
+ResumeRun accum_amp_run(const std::string& ckpt, int64_t crash_at) {
+  PluginHost host;
+  auto build = [&](bool crash) {
+    auto l = make_tiny_learner(setup(96, 16));  // 6 batches an epoch: 3 groups
+    for (auto& cb : host.load(plugins_of("[plugins.grad_accum]\nsteps = 2\nmode = \"accumulate\"\n"),
+                              "cfg.toml"))
+      l->add_callback(cb);
+    amp::AmpOptions o;
+    o.scaler = "on";
+    o.init_scale = 1024;
+    o.growth_interval = 2;
+    auto a = std::make_shared<amp::Amp>(o, PluginContext{"amp", quiet_logger()});
+    l->add_callback(a);
+    auto inject = std::make_shared<InjectInf>();
+    inject->at = {7};
+    l->add_callback(inject);
+    l->add_callback(std::make_shared<CheckpointWriter>(ckpt, 1, 0));
+    if (crash) l->add_callback(std::make_shared<Crash>(crash_at));
+    return std::make_pair(std::move(l), a);
+  };
+  auto [l, a] = build(crash_at > 0);
+  if (crash_at > 0) {
+    EXPECT_THROW(l->fit(3), CallbackError);
+    l.reset();
+    auto resumed = build(false);
+    l = std::move(resumed.first);
+    a = resumed.second;
+    l->load_checkpoint(ckpt);
+    EXPECT_EQ(l->pending_resume()->batch % 2, 0) << "checkpoints fall between groups";
+  }
+  l->fit(3);
+  ResumeRun r{clone_params(*l->model()), a->scaler().state(), l->steps()};
+  l.reset();
+  return r;
+}
+
+TEST(AmpWithGradAccum, ResumeMidGroupContinuesBitwiseWithTheScalerState) {
+  TempDir dir;
+  const ResumeRun ref = accum_amp_run(dir.file("ref.ckpt"), 0);
+  EXPECT_EQ(ref.steps, 8) << "9 groups, one skipped for the injected inf";
+  EXPECT_NE(ref.scaler.scale, 1024.0) << "the scale moved, so its state matters";
+  for (int64_t crash : {3, 8, 11}) {  // mid-group, after the inf, in the last epoch
+    const ResumeRun r = accum_amp_run(dir.file("run" + std::to_string(crash) + ".ckpt"), crash);
+    EXPECT_EQ(r.steps, ref.steps) << crash;
+    EXPECT_EQ(r.scaler.scale, ref.scaler.scale) << crash;
+    EXPECT_EQ(r.scaler.growth_tracker, ref.scaler.growth_tracker) << crash;
+    for (size_t i = 0; i < ref.params.size(); ++i)
+      EXPECT_TRUE(torch::equal(r.params[i], ref.params[i])) << "crash at " << crash << ", parameter " << i;
+  }
+}
+
+TEST(AmpPlugin, SaveStateLoadStateRoundTripsTheScaler) {
+  amp::AmpOptions o;
+  o.scaler = "on";
+  amp::Amp a(o, PluginContext{"amp", quiet_logger()});
+  a.scaler().load_state({256.0, 7});
+  torch::serialize::OutputArchive out;
+  a.save_state(out);
+  TempDir dir;
+  out.save_to(dir.file("s"));
+  torch::serialize::InputArchive in;
+  in.load_from(dir.file("s"));
+  amp::Amp b(o, PluginContext{"amp", quiet_logger()});
+  auto l = make_tiny_learner(setup(32, 16));
+  b.load_state(*l, in);
+  EXPECT_EQ(b.scaler().scale(), 256.0);
+  EXPECT_EQ(b.scaler().growth_tracker(), 7);
+  torch::serialize::InputArchive empty;
+  EXPECT_THROW(b.load_state(*l, empty), std::runtime_error);
+}
+
 }  // namespace
 }  // namespace frugal::test

@@ -1,6 +1,9 @@
 // Every plugin in the build's plugin folder (build/lib/frugal/plugins) joins this test without
-// editing it: it loads with default options, runs a tiny two-stage CPU fit, and unloads
-// leaving no registry entry behind (Composer's algorithm_settings.py, for frugal).
+// editing it: it loads with default options, runs a tiny two-stage CPU fit (stages "one" and
+// "two"), and unloads leaving no registry entry behind (Composer's algorithm_settings.py, for
+// frugal). A plugin with a required option (optim_swap's trigger) ships
+// plugins/<name>/conformance.toml with the [plugins.<name>] table to use instead; its defaults
+// alone must then be rejected with a ConfigError, so the file is only used where it must be.
 #include <cmath>
 #include <filesystem>
 
@@ -55,7 +58,19 @@ TEST(PluginConformance, EveryBuiltPluginLoadsFitsAndUnloads) {
     {
       PluginHost host;
       toml::table plugins;
-      plugins.insert(d.name, toml::table{});  // [plugins.<name>] with every default
+      const auto required = std::filesystem::path(FRUGAL_TEST_PLUGIN_SOURCE_DIR) / d.name /
+                            "conformance.toml";
+      if (std::filesystem::exists(required)) {
+        toml::table defaults;
+        defaults.insert(d.name, toml::table{});
+        EXPECT_THROW(PluginHost().load(defaults, "conformance.toml"), ConfigError)
+            << required << " exists, but the plugin's defaults alone are valid: remove the file";
+        toml::table root = toml::parse_file(required.string());
+        ASSERT_TRUE(root["plugins"][d.name].is_table()) << required << " has no [plugins." << d.name << "]";
+        plugins = std::move(*root["plugins"].as_table());
+      } else {
+        plugins.insert(d.name, toml::table{});  // [plugins.<name>] with every default
+      }
       std::vector<std::shared_ptr<Callback>> cbs;
       ASSERT_NO_THROW(cbs = host.load(plugins, "conformance.toml"));
       ASSERT_FALSE(cbs.empty());

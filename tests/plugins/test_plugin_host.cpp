@@ -4,35 +4,17 @@
 #include <sstream>
 
 #include <gtest/gtest.h>
-#include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
+#include "log_capture.h"
 
 namespace frugal::test {
 namespace {
 
 const std::string kFixtures = FRUGAL_TEST_FIXTURE_DIR;
 
-
-/// Makes the default logger write into a string while it lives (plugin loggers share its sinks).
-class LogCapture {
- public:
-  LogCapture() : old_(spdlog::default_logger()) {
-    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
-    sink->set_pattern("%n: %v");
-    auto log = std::make_shared<spdlog::logger>("capture", sink);
-    log->set_level(spdlog::level::debug);
-    spdlog::set_default_logger(log);
-  }
-  ~LogCapture() { spdlog::set_default_logger(old_); }
-  std::string text() const { return out_.str(); }
-
- private:
-  std::ostringstream out_;
-  std::shared_ptr<spdlog::logger> old_;
-};
 
 /// Sets an environment variable while it lives.
 class ScopedEnv {
@@ -65,12 +47,6 @@ std::string error_of(F&& f) {
 }
 
 std::vector<Stage> two_stages() { return {make_stage("one", 1), make_stage("two", 1)}; }
-
-/// `text` contains `part` (prints both when not).
-::testing::AssertionResult Has(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << part << "' not in:\n" << text;
-}
 
 TEST(PluginHost, GoodPluginRunsInARealFitWithItsOptions) {
   LogCapture cap;

@@ -83,8 +83,8 @@ class Callback {
   /// Learner's checkpoint under the callback's name. Default: nothing.
   virtual void save_state(torch::serialize::OutputArchive&) const {}
   /// Reads what save_state wrote. Runs before the optimizer's state is loaded, so a callback
-  /// that replaced the optimizer replaces it again first. Default: nothing.
-  virtual void load_state(torch::serialize::InputArchive&) {}
+  /// that replaced the optimizer replaces it again first (hence the Learner). Default: nothing.
+  virtual void load_state(Learner&, torch::serialize::InputArchive&) {}
   /// Bytes of tensors this callback keeps alive between batches (histories, caches, saved
   /// outputs). Memory diagnostics name the callbacks that hold bytes. Default 0.
   virtual int64_t held_bytes() const { return 0; }

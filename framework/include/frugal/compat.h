@@ -103,4 +103,16 @@ inline void cuda_set_memory_budget(int64_t bytes, int device) {
 }
 #endif
 
+/// The key of a parameter's entry in Optimizer::state(): LibTorch 1.13 keys it by the
+/// TensorImpl's address as a string; later versions may key it by the address itself.
+using OptimizerStateKey =
+    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+template <class Tensor = at::Tensor>  // a template, so the branch not taken is not compiled
+OptimizerStateKey optimizer_state_key(const Tensor& p) {
+  if constexpr (std::is_same_v<OptimizerStateKey, std::string>)
+    return c10::guts::to_string(p.unsafeGetTensorImpl());
+  else
+    return p.unsafeGetTensorImpl();
+}
+
 }  // namespace frugal::compat

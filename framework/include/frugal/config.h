@@ -20,6 +20,8 @@ struct RunOptions : Options {
   int64_t max_steps = 0;               ///< stop the fit after this many batches; 0 = no limit
   int64_t log_every = 100;             ///< batches between log lines when not on a terminal
   std::string progress = "auto";       ///< auto | bar | log | none
+  int64_t checkpoint_every = 0;        ///< optimizer steps between checkpoints; 0 = off
+  int64_t checkpoint_epochs = 0;       ///< epochs between checkpoints; 0 = off
   std::string memory_budget;           ///< "1GiB"; "" = none (parse with memory_budget_bytes)
   std::string on_oom = "fail";         ///< fail | retry
   int64_t oom_retries = 4;             ///< retry: out-of-memory errors allowed on one batch

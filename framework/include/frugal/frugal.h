@@ -1,6 +1,7 @@
 #pragma once
 /// Everything a user or plugin author needs.
 #include "frugal/callback.h"
+#include "frugal/checkpoint_writer.h"
 #include "frugal/compat.h"
 #include "frugal/config.h"
 #include "frugal/data.h"

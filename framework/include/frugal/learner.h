@@ -49,6 +49,17 @@ struct OomPolicy {
   bool auto_micro_batch = false;
 };
 
+/// Where a fit continues: the next batch to run. `epoch` may equal the stage's epochs (only
+/// after_stage is left) and `batch` the epoch's batch count (validation and after_epoch are
+/// left).
+struct FitPosition {
+  int64_t stage = 0, epoch = 0, batch = 0;
+  int64_t data_epoch = 0;  ///< the DataLoader epoch (its order's seed offset) of `epoch`
+  int64_t iteration = 0, steps = 0;
+  bool stop_epoch = false, stop_fit = false;  ///< flags set by the batch before the position
+  bool done = false;                          ///< the fit ended: nothing is left to run
+};
+
 class Learner {
  public:
   /// `valid` may be empty (no validation). The optimizer is built over all parameters.
@@ -88,6 +99,9 @@ class Learner {
   void set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, OptimizerOptions o);
   /// Builds a new optimizer from `o` over the model's parameters.
   void set_optimizer(const OptimizerOptions& o);
+  /// How many times set_optimizer replaced the optimizer: a callback that must react to a new
+  /// optimizer compares it (a new optimizer may reuse the old one's address).
+  int64_t optimizer_changes() const { return optimizer_changes_; }
   const LossFn& loss_fn() const { return loss_fn_; }
   void set_loss_fn(LossFn f) { loss_fn_ = std::move(f); }
   DataLoader& train_data() { return live().train_; }
@@ -169,6 +183,8 @@ class Learner {
 
   // ---- counters ----
   const Stage& stage() const { return stages_.at(stage_index_); }
+  /// Every stage of the current fit (set before before_fit fires).
+  const std::vector<Stage>& stages() const { return stages_; }
   int64_t stage_index() const { return stage_index_; }
   int64_t epoch() const { return epoch_; }          ///< within the stage
   int64_t batch_index() const { return batch_index_; }  ///< within the epoch
@@ -181,6 +197,8 @@ class Learner {
   // ---- measurements ----
   MemoryMeter& memory() { return MemoryMeter::get(); }
   const std::vector<StageStats>& stage_stats() const { return stage_stats_; }
+  /// Bytes of the training and validation datasets, which stay in (host) memory for the fit.
+  int64_t data_bytes() const;
   /// Mean training loss of the batches since the epoch began (syncs the device).
   double epoch_loss() const;
   double valid_accuracy() const { return valid_accuracy_; }
@@ -198,6 +216,38 @@ class Learner {
   void save(const std::string& path, bool with_opt = true);
   /// Loads what save() wrote. Throws CheckpointError for a missing, truncated or foreign file.
   void load(const std::string& path, bool with_opt = true);
+  // ---- checkpoint and resume ----
+  /// Writes everything needed to continue this fit exactly where it is, atomically (temp
+  /// file, fsync, rename: an existing `path` stays intact until the new one replaces it):
+  /// model, optimizer (and its name), every callback's save_state under "callbacks.<name>",
+  /// the CPU (and CUDA) random generators, the position (stage, epoch, batch, the data
+  /// order's epoch, iteration, steps), the epoch's running loss and the stage statistics.
+  /// `info` is stored as is (the CLI keeps the resolved config there).
+  /// Called from after_batch (or after_epoch, after_fit) the position is after that batch
+  /// (epoch, fit). Called mid-batch, e.g. after a failure, it is that batch's start, unless
+  /// the batch already stepped the optimizer; the replayed batch then draws fresh random
+  /// numbers (dropout), so only a checkpoint taken between batches resumes bitwise.
+  /// Gradients are not saved: take it when none are pending (CheckpointWriter does).
+  void save_checkpoint(const std::string& path, const nlohmann::json& info = {});
+  /// Loads the model from a save_checkpoint file now and keeps the rest for the next fit(),
+  /// which continues from the saved position with the same stages. Returns the stored info.
+  /// Throws CheckpointError for a missing, truncated or foreign file, or one save() wrote.
+  ///
+  /// What a resumed fit does: the batches, epochs and stages before the position fire no
+  /// events. before_fit, then before_stage, before_epoch and before_train of the resumed
+  /// position fire as on a fresh start (the stage's freeze, image size and optimizer are set
+  /// first), and the counters (iteration, steps) already hold their saved values. Then each
+  /// callback's load_state runs, then the optimizer's state is loaded, then the random
+  /// generators are restored, and the loop continues with the next batch.
+  nlohmann::json load_checkpoint(const std::string& path);
+  /// The stored "resume" record of a checkpoint without touching any learner: "position",
+  /// "info", "stages", "optimizer". Throws CheckpointError like load_checkpoint.
+  static nlohmann::json read_checkpoint(const std::string& path);
+  /// The position a loaded checkpoint will resume from, until fit() consumes it.
+  std::optional<FitPosition> pending_resume() const;
+  /// Where the fit stands now (what save_checkpoint would record).
+  FitPosition position() const;
+
   /// fastai's purge: drops the optimizer's state (unless clear_opt is false), sets gradients
   /// to none, drops cached batch, prediction and loss. Returns the live bytes released.
   int64_t purge(bool clear_opt = true);
@@ -218,6 +268,10 @@ class Learner {
   void reset_batch_state();
   void rebuild_forward_wrappers();
   void note_phase_peak(Phase p, int64_t bytes);
+  void complete_batch(const Batch& b, double seconds);
+  size_t prepare_resume();
+  int64_t resume_epoch() const;
+  int64_t apply_resume();
   struct ProbeResult {
     bool oom = false;
     int64_t peak = 0;        // live bytes at the highest point of forward and backward
@@ -230,6 +284,7 @@ class Learner {
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   OptimizerOptions optimizer_options_;
+  int64_t optimizer_changes_ = 0;
   LossFn loss_fn_;
   DataLoader train_;
   std::optional<DataLoader> valid_;
@@ -258,6 +313,9 @@ class Learner {
     MemoryBreakdown breakdown;
   } last_probe_;  // the last batch's breakdown, for stages shorter than three batches
   bool destroyed_ = false;
+  FitPosition next_;  // the next batch to run, kept current by the loop
+  struct PendingResume;
+  std::unique_ptr<PendingResume> resume_;  // set by load_checkpoint, consumed by fit
   OomPolicy oom_;
   int64_t micro_cap_ = 0, oom_count_ = 0;
   int64_t last_micro_batch_ = 0;  // the micro-batch the last training batch ran at

@@ -17,7 +17,21 @@ torch::Device resolve_device(const std::string& device);
 void check_config(const Config& c);
 
 /// Loads the data, builds the model, loss and optimizer: a Learner ready to fit(c.stages).
-/// Seeds LibTorch with run.seed and sets run.threads first.
+/// Seeds LibTorch with run.seed and sets run.threads first. With run.checkpoint_every or
+/// run.checkpoint_epochs set, a CheckpointWriter writes to checkpoint_path(c.run).
 std::unique_ptr<Learner> make_learner(const Config& c);
+
+/// <out_dir>/checkpoints/last.ckpt: where a run's periodic checkpoints go.
+std::string checkpoint_path(const RunOptions& r);
+/// What every checkpoint of a run stores about it: {"config": the resolved config TOML}.
+nlohmann::json checkpoint_info(const Config& c);
+/// The checkpoint `--resume WHERE` means: WHERE itself when it is a file, else the run folder
+/// WHERE's checkpoints/last.ckpt. Throws CheckpointError when there is none.
+std::string resume_checkpoint(const std::string& where);
+/// Throws ConfigError listing the keys in which `c` differs from the config stored in the
+/// checkpoint at `path` (its `info`). Keys that do not change the run's numbers may differ:
+/// run.out_dir, run.device, run.threads, run.progress, run.log_every, run.max_steps and
+/// run.checkpoint_*.
+void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path);
 
 }  // namespace frugal

@@ -1,0 +1,395 @@
+// Hostile input: mutated configs (a seeded mutation fuzzer) only ever give ConfigError;
+// corrupt IDX and checkpoint files give DataError / CheckpointError naming the file; a
+// callback that throws in any event stops the fit naming itself and the event, and the last
+// checkpoint stays intact and loadable.
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <typeinfo>
+
+#include "cli_support.h"
+#include "learner_fixture.h"
+
+namespace frugal::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The repository, from this file's path (CMake compiles it by its absolute path).
+fs::path source_root() { return fs::path(__FILE__).parent_path().parent_path().parent_path(); }
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+int64_t iterations(int64_t fallback) {
+  const char* n = std::getenv("FRUGAL_FUZZ_ITERATIONS");
+  return n ? std::max<int64_t>(1, std::atoll(n)) : fallback;
+}
+
+/// The configs users start from: examples and every plugin's bench.toml.
+std::vector<std::string> seed_configs() {
+  std::vector<std::string> out;
+  const fs::path root = source_root();
+  for (const fs::path dir : {root / "examples" / "configs", root / "plugins"})
+    for (auto it = fs::recursive_directory_iterator(dir); it != fs::recursive_directory_iterator(); ++it)
+      if (it->path().extension() == ".toml") out.push_back(read_bytes(it->path().string()));
+  return out;
+}
+
+/// One random edit of a text: bytes deleted, duplicated, flipped or inserted, the end cut,
+/// a value replaced by one of another type, lines swapped or a table header inserted.
+std::string mutate(std::string s, std::mt19937_64& rng) {
+  auto pick = [&](size_t n) { return n == 0 ? size_t{0} : static_cast<size_t>(rng() % n); };
+  static const std::vector<std::string> values = {
+      "\"x\"", "1", "-1", "0", "9223372036854775807", "-9223372036854775808", "1.5e308", "-0.0",
+      "nan", "inf", "true", "[1, \"a\"]", "[]", "{a = 1}", "{}", "1979-05-27T07:32:00Z", "07:32:00",
+      "\"\\u0000\"", "'''multi\nline'''", "\"\xff\xfe\"", "[[1]]", "0x7fffffffffffffff"};
+  static const std::vector<std::string> inserts = {
+      "[run]\n", "[[stages]]\n", "[plugins]\n", "[plugins.amp]\n", "[stages.optimizer]\n", "=",
+      "\"", "[", "]", "{", "}", "\n", "#", ".", ",", "\\", "\x00", "\xc3", "a.b.c = 1\n",
+      "data = 3\n", "stages = 1\n", "plugins = []\n", "path = [1]\n"};
+  switch (rng() % 9) {
+    case 0: {  // delete a range
+      const size_t at = pick(s.size()), n = 1 + pick(16);
+      return s.erase(at, n);
+    }
+    case 1: {  // duplicate a range
+      const size_t at = pick(s.size()), n = 1 + pick(64);
+      return s.insert(at, s.substr(at, n));
+    }
+    case 2:  // flip a byte
+      if (!s.empty()) s[pick(s.size())] ^= static_cast<char>(1 << pick(8));
+      return s;
+    case 3:  // insert a random byte
+      return s.insert(pick(s.size() + 1), 1, static_cast<char>(rng() & 0xff));
+    case 4:  // truncate
+      return s.substr(0, pick(s.size() + 1));
+    case 5: {  // a value of another type
+      const size_t eq = s.find('=', pick(s.size()));
+      if (eq == std::string::npos) return s;
+      const size_t end = s.find('\n', eq);
+      return s.replace(eq + 1, end == std::string::npos ? std::string::npos : end - eq - 1,
+                       " " + values[pick(values.size())]);
+    }
+    case 6:  // a TOML fragment
+      return s.insert(pick(s.size() + 1), inserts[pick(inserts.size())]);
+    case 7: {  // swap two lines
+      std::vector<std::string> lines;
+      std::string line;
+      for (char c : s) {
+        line += c;
+        if (c == '\n') lines.push_back(std::move(line)), line.clear();
+      }
+      if (!line.empty()) lines.push_back(line);
+      if (lines.size() > 1) std::swap(lines[pick(lines.size())], lines[pick(lines.size())]);
+      std::string out;
+      for (auto& l : lines) out += l;
+      return out;
+    }
+    default: {  // a number made extreme
+      const size_t d = s.find_first_of("0123456789", pick(s.size()));
+      if (d == std::string::npos) return s;
+      return s.insert(d, pick(2) ? "99999999999999999999" : "-");
+    }
+  }
+}
+
+/// Only ConfigError may escape; anything else (or a crash) fails the test with the input.
+void expect_config_error_or_success(const std::string& text, const std::vector<std::string>& sets,
+                                    int64_t i, int64_t& accepted) {
+  try {
+    Config c = parse_config(text, "fuzz.toml", sets);
+    // A config that parses writes a resolved config that parses back.
+    const std::string resolved = c.to_toml();
+    EXPECT_NO_THROW(parse_config(resolved, "resolved.toml")) << "iteration " << i << "\n" << resolved;
+    ++accepted;
+  } catch (const ConfigError&) {
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "iteration " << i << ": " << typeid(e).name() << ": " << e.what()
+                  << "\n--- input ---\n" << text;
+  }
+}
+
+TEST(Hostile, MutatedConfigsGiveConfigErrorsNeverCrashes) {
+  const auto seeds = seed_configs();
+  ASSERT_GE(seeds.size(), 3u) << "examples/configs and plugins/*/bench.toml";
+  for (const auto& s : seeds) EXPECT_NO_THROW(parse_config(s, "seed.toml")) << s;
+  std::mt19937_64 rng(20240607);
+  const int64_t n = iterations(3000);
+  int64_t accepted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    std::string text = seeds[rng() % seeds.size()];
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int k = 0; k < edits; ++k) text = mutate(std::move(text), rng);
+    expect_config_error_or_success(text, {}, i, accepted);
+    if (HasFailure()) break;  // one input is enough to debug
+  }
+  // Both outcomes were exercised: the mutations are neither all harmless nor all fatal.
+  EXPECT_GT(accepted, n / 50);
+  EXPECT_LT(accepted, n - n / 50);
+}
+
+TEST(Hostile, MutatedOverridesGiveConfigErrorsNeverCrashes) {
+  const auto seeds = seed_configs();
+  std::mt19937_64 rng(7);
+  static const std::vector<std::string> keys = {
+      "run.seed", "data.batch_size", "stages.0.epochs", "stages.9.epochs", "stages.0.optimizer.lr",
+      "stages", "model", "plugins.amp.dtype", "plugins.path", "a..b", ".x", "run.", "stages.0.freeze.0",
+      "data.path.x", "optimizer.name", "", "=", "stages.-1.name"};
+  const int64_t n = iterations(3000) / 3;
+  int64_t accepted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string& src = seeds[rng() % seeds.size()];
+    std::string value = mutate(src.substr(rng() % src.size(), 1 + rng() % 30), rng);
+    std::vector<std::string> sets = {keys[rng() % keys.size()] + "=" + value};
+    expect_config_error_or_success(seeds[rng() % seeds.size()], sets, i, accepted);
+    if (HasFailure()) break;
+  }
+}
+
+// ---- IDX -------------------------------------------------------------------------------------
+
+std::string data_error_of(const std::string& path) {
+  try {
+    read_idx(path);
+  } catch (const DataError& e) {
+    return e.what();
+  }
+  return "no DataError";
+}
+
+TEST(Hostile, IdxHeaderClaimingMoreThanTheFileHoldsIsRefusedBeforeAllocating) {
+  TempDir dir;
+  const auto path = dir.file("huge.idx");
+  // 4 dimensions of 2^31 - 1: 2^124 bytes, which overflows int64 unless checked.
+  write_bytes(path, std::string("\x00\x00\x08\x04", 4) + std::string(4 * 4, '\x7f') + "abc");
+  auto msg = data_error_of(path);
+  EXPECT_NE(msg.find(path + "' is corrupt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("2139062143 x 2139062143"), std::string::npos) << msg;
+
+  const auto gz = dir.file("huge.idx.gz");
+  write_idx(gz, torch::zeros({2, 2}, torch::kUInt8));
+  std::string bytes = read_bytes(gz);
+  ASSERT_GT(bytes.size(), 18u);
+  write_bytes(dir.file("garbage.idx.gz"), bytes.substr(0, 10) + std::string(64, '\x55'));
+  msg = data_error_of(dir.file("garbage.idx.gz"));
+  EXPECT_NE(msg.find("garbage.idx.gz"), std::string::npos) << msg;
+}
+
+TEST(Hostile, MutatedIdxFilesGiveDataErrorsNeverCrashes) {
+  TempDir dir;
+  std::mt19937_64 rng(11);
+  const torch::Tensor t = torch::randint(0, 256, {3, 5, 7}, torch::kLong).to(torch::kUInt8);
+  for (const std::string name : {"a.idx", "a.idx.gz"}) {
+    write_idx(dir.file(name), t);
+    const std::string good = read_bytes(dir.file(name));
+    const int64_t n = iterations(3000) / 6;
+    for (int64_t i = 0; i < n; ++i) {
+      std::string bad = good;
+      const int edits = 1 + static_cast<int>(rng() % 3);
+      for (int k = 0; k < edits; ++k) {
+        const size_t at = rng() % bad.size();
+        switch (rng() % 3) {
+          case 0: bad[at] = static_cast<char>(rng() & 0xff); break;
+          case 1: bad.resize(at); break;
+          default: bad.insert(at, 1, static_cast<char>(rng() & 0xff));
+        }
+        if (bad.empty()) break;
+      }
+      const std::string path = dir.file("m_" + name);
+      write_bytes(path, bad);
+      try {
+        auto back = read_idx(path);
+        EXPECT_LE(back.numel(), static_cast<int64_t>(bad.size()) * 1032 + 1024);
+      } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << name << " iteration " << i << ": " << e.what();
+        break;
+      }
+    }
+  }
+}
+
+// ---- checkpoints ----------------------------------------------------------------------------
+
+std::string checkpoint_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const CheckpointError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("not a CheckpointError: ") + e.what();
+  }
+  return "no error";
+}
+
+TEST(Hostile, CorruptCheckpointsGiveCheckpointErrorsNamingTheFile) {
+  TempDir dir;
+  const std::string good = dir.file("good.ckpt");
+  {
+    auto a = make_tiny_learner();
+    a->fit(1);
+    a->save_checkpoint(good);
+  }
+  const std::string bytes = read_bytes(good);
+  struct Case {
+    std::string name, bytes, expect;
+  };
+  std::vector<Case> cases = {
+      {"empty.ckpt", "", "unreadable"},
+      {"magic.ckpt", "XXXX" + bytes.substr(4), "unreadable"},
+      {"text.ckpt", "this is not a checkpoint\n", "unreadable"},
+  };
+  std::mt19937_64 rng(5);
+  std::string noise(bytes.size(), '\0');
+  for (auto& c : noise) c = static_cast<char>(rng() & 0xff);
+  cases.push_back({"noise.ckpt", noise, "unreadable"});
+  for (int k = 1; k < 16; ++k)
+    cases.push_back({"cut" + std::to_string(k) + ".ckpt", bytes.substr(0, bytes.size() * k / 16),
+                     "unreadable"});
+  {  // a torch archive, but not frugal's
+    torch::serialize::OutputArchive foreign;
+    foreign.write("weights", torch::ones({3}));
+    foreign.save_to(dir.file("foreign.ckpt"));
+    cases.push_back({"foreign.ckpt", read_bytes(dir.file("foreign.ckpt")), "not a frugal checkpoint"});
+  }
+  {  // frugal's format record, a damaged resume record
+    torch::serialize::OutputArchive damaged;
+    damaged.write("frugal.format", c10::IValue(int64_t{1}));
+    damaged.write("frugal.resume", c10::IValue(std::string("{\"position\": {\"stage\": -3")));
+    damaged.save_to(dir.file("damaged.ckpt"));
+    cases.push_back({"damaged.ckpt", read_bytes(dir.file("damaged.ckpt")), "damaged resume record"});
+  }
+  {  // a future format
+    torch::serialize::OutputArchive future;
+    future.write("frugal.format", c10::IValue(int64_t{9}));
+    future.save_to(dir.file("future.ckpt"));
+    cases.push_back({"future.ckpt", read_bytes(dir.file("future.ckpt")), "this frugal reads format 1"});
+  }
+  auto l = make_tiny_learner();
+  const auto before = clone_params(*l->model());
+  for (const auto& c : cases) {
+    const std::string path = dir.file("bad_" + c.name);
+    write_bytes(path, c.bytes);
+    for (const auto& msg : {checkpoint_error_of([&] { l->load_checkpoint(path); }),
+                            checkpoint_error_of([&] { Learner::read_checkpoint(path); })}) {
+      EXPECT_NE(msg.find(path), std::string::npos) << c.name << ": " << msg;
+      EXPECT_NE(msg.find(c.expect), std::string::npos) << c.name << ": " << msg;
+    }
+    EXPECT_FALSE(l->pending_resume()) << c.name;
+  }
+  EXPECT_TRUE(params_equal(*l->model(), before)) << "no corrupt file touched the model";
+  const auto msg = checkpoint_error_of([&] { l->load_checkpoint(dir.path().string()); });
+  EXPECT_NE(msg.find("is not a file"), std::string::npos) << msg;
+  l->load_checkpoint(good);  // and the good one still loads
+}
+
+// ---- a callback that throws ------------------------------------------------------------------
+
+/// Throws in one event (or in wrap_forward), at its first firing after the second optimizer
+/// step (so a checkpoint exists), or at its first firing for before_fit. Keeps the bytes of
+/// the checkpoint as they were when it threw.
+struct Thrower : Callback {
+  Thrower(std::optional<Event> e, std::string ckpt) : event(e), ckpt(std::move(ckpt)) {}
+  std::string name() const override { return "thrower"; }
+  bool wraps_forward() const override { return !event; }
+  torch::Tensor wrap_forward(Learner& l, const torch::Tensor& x, const ForwardNext& next) override {
+    if (l.training() && l.steps() >= 2) boom();
+    return next(x);
+  }
+  void before_fit(Learner& l) override { at(l, Event::BeforeFit); }
+  void before_stage(Learner& l) override { at(l, Event::BeforeStage); }
+  void before_epoch(Learner& l) override { at(l, Event::BeforeEpoch); }
+  void before_train(Learner& l) override { at(l, Event::BeforeTrain); }
+  void before_batch(Learner& l) override { at(l, Event::BeforeBatch); }
+  void before_forward(Learner& l) override { at(l, Event::BeforeForward); }
+  void after_forward(Learner& l) override { at(l, Event::AfterForward); }
+  void after_loss(Learner& l) override { at(l, Event::AfterLoss); }
+  void before_backward(Learner& l) override { at(l, Event::BeforeBackward); }
+  void after_backward(Learner& l) override { at(l, Event::AfterBackward); }
+  void before_step(Learner& l) override { at(l, Event::BeforeStep); }
+  void after_step(Learner& l) override { at(l, Event::AfterStep); }
+  void after_batch(Learner& l) override { at(l, Event::AfterBatch); }
+  void after_train(Learner& l) override { at(l, Event::AfterTrain); }
+  void before_validate(Learner& l) override { at(l, Event::BeforeValidate); }
+  void after_validate(Learner& l) override { at(l, Event::AfterValidate); }
+  void after_epoch(Learner& l) override { at(l, Event::AfterEpoch); }
+  void after_stage(Learner& l) override { at(l, Event::AfterStage); }
+  void after_fit(Learner& l) override { at(l, Event::AfterFit); }
+  void at(Learner& l, Event e) {
+    if (event == e && (e == Event::BeforeFit || l.steps() >= 2)) boom();
+  }
+  [[noreturn]] void boom() {
+    snapshot = fs::exists(ckpt) ? read_bytes(ckpt) : "";
+    threw = true;
+    throw std::runtime_error("the plugin broke");
+  }
+  std::optional<Event> event;
+  std::string ckpt, snapshot;
+  bool threw = false;
+};
+
+TEST(Hostile, ACallbackThrowingInAnyEventStopsTheFitNamingItAndKeepsTheCheckpoint) {
+  TempDir dir;
+  std::vector<std::optional<Event>> where(kAllEvents.begin(), kAllEvents.end());
+  where.push_back(std::nullopt);  // wrap_forward
+  for (const auto& e : where) {
+    const std::string what = e ? std::string(to_string(*e)) : "wrap_forward";
+    const std::string ckpt = dir.file(what + ".ckpt");
+    auto l = make_tiny_learner();  // 4 batches an epoch, validated
+    l->add_callback(std::make_shared<CheckpointWriter>(ckpt, 1, 0));
+    auto thrower = std::make_shared<Thrower>(e, ckpt);
+    l->add_callback(thrower);
+    try {
+      l->fit(std::vector<Stage>{make_stage("a", 1), make_stage("b", 1)});
+      ADD_FAILURE() << what << ": the fit went on";
+      continue;
+    } catch (const CallbackError& err) {
+      EXPECT_EQ(err.callback(), "thrower") << what;
+      EXPECT_EQ(err.event(), what);
+      EXPECT_NE(std::string(err.what()).find("the plugin broke"), std::string::npos) << err.what();
+    }
+    ASSERT_TRUE(thrower->threw) << what;
+    if (e == Event::BeforeFit) {
+      EXPECT_FALSE(fs::exists(ckpt));
+      continue;
+    }
+    ASSERT_FALSE(thrower->snapshot.empty()) << what << ": a checkpoint existed before the error";
+    EXPECT_EQ(read_bytes(ckpt), thrower->snapshot) << what << ": the checkpoint changed";
+    auto again = make_tiny_learner();
+    again->add_callback(std::make_shared<CheckpointWriter>(dir.file("again.ckpt"), 1, 0));
+    again->load_checkpoint(ckpt);
+    EXPECT_GE(again->pending_resume()->steps, 1) << what;
+    again->fit(std::vector<Stage>{make_stage("a", 1), make_stage("b", 1)});
+    EXPECT_EQ(again->iteration(), 8) << what << ": the resumed fit finished";
+  }
+}
+
+TEST(Hostile, UnwritableCheckpointFolderIsReportedBeforeTraining) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  fs::create_directories(out);
+  write_text(out + "/checkpoints", "a file where the checkpoint folder goes");
+  write_text(dir.file("run.toml"),
+             "[run]\nout_dir = \"" + out + "\"\ncheckpoint_every = 2\n"
+             "[data]\ndataset = \"synthetic\"\nsamples = 32\nimage_size = 8\nclasses = 4\n"
+             "[model]\narch = \"mlp\"\n");
+  auto r = run_cli("train " + dir.file("run.toml"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("output folder '" + out + "/checkpoints' cannot be created"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("training mlp"), std::string::npos) << "no training: " << r.output;
+  EXPECT_FALSE(fs::exists(out + "/report.json"));
+}
+
+}  // namespace
+}  // namespace frugal::test
