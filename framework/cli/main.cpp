@@ -119,6 +119,23 @@ int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
   int rc = 0;
   try {
     learner->fit(cfg.stages);
+  } catch (const frugal::OomError& e) {
+    extra["error"] = e.what();
+    log->error("{}", e.what());
+    rc = 1;
+    // Out of memory in forward or backward leaves the model as before the failed batch: a
+    // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
+    // the parameters: no checkpoint then.
+    if (std::string(e.what()).find("in the optimizer step") == std::string::npos) {
+      const std::string path = frugal::checkpoint_path(cfg.run);
+      try {
+        learner->save_checkpoint(path, frugal::checkpoint_info(cfg));
+        extra["checkpoint"] = path;
+        log->info("checkpoint of the failed batch's start saved to {}", path);
+      } catch (const std::exception& ce) {
+        log->error("could not save a checkpoint after the out-of-memory error: {}", ce.what());
+      }
+    }
   } catch (const std::exception& e) {
     // The report still gets written, saying why the run stopped.
     extra["error"] = e.what();

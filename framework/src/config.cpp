@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "frugal/error.h"
+#include "frugal/memory.h"
 
 namespace frugal {
 
@@ -47,6 +48,31 @@ void RunOptions::visit(FieldVisitor& v) {
   v.field("trace", trace,
           "write a Chrome-trace JSON (Perfetto) of phase spans and live memory to this path; "
           "\"\" = off");
+  v.field("memory_budget", memory_budget,
+          "memory the run may hold, e.g. \"1GiB\"; past it an allocation fails as out of "
+          "memory (cpu: the tracking allocator; cuda: the allocator's memory fraction); "
+          "\"\" = none");
+  v.field("on_oom", on_oom,
+          "out of memory in forward or backward: fail, or retry the batch with half the "
+          "micro-batch (same effective batch and gradients)",
+          {"fail", "retry"});
+  v.field("oom_retries", oom_retries,
+          "retry: out-of-memory errors allowed on one batch before the run stops", at_least(1));
+  v.field("micro_batch", micro_batch,
+          "auto = before each stage, find the largest micro-batch that fits memory_budget; "
+          "off = whole batches (or grad_accum's split)",
+          {"off", "auto"});
+}
+
+void RunOptions::check() const {
+  memory_budget_bytes();
+  if (micro_batch == "auto" && memory_budget_bytes() == 0)
+    throw_config_error("'run.micro_batch' = \"auto\" needs 'run.memory_budget' (the memory the "
+                       "micro-batch must fit), e.g. memory_budget = \"1GiB\"");
+}
+
+int64_t RunOptions::memory_budget_bytes() const {
+  return memory_budget.empty() ? 0 : parse_bytes(memory_budget, "run.memory_budget");
 }
 
 void DataOptions::visit(FieldVisitor& v) {

@@ -9,6 +9,7 @@ DataError::~DataError() = default;
 CheckpointError::~CheckpointError() = default;
 PluginError::~PluginError() = default;
 UsageError::~UsageError() = default;
+OomError::~OomError() = default;
 
 CallbackError::CallbackError(std::string callback, std::string event, const std::string& reason)
     : Error("callback '" + callback + "' failed in event '" + event + "': " + reason),

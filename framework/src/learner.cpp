@@ -9,6 +9,12 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <spdlog/spdlog.h>
+
+#ifdef FRUGAL_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
+
 #include "frugal/compat.h"
 #include "frugal/error.h"
 #include "frugal/report.h"
@@ -20,6 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kStageWindow = 0;
 constexpr int kPhaseWindow = 1;
+constexpr size_t kMaxOomRecords = 100;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -281,6 +288,8 @@ void Learner::fire(Event e) {
       cb.dispatch(e, *this);
     } catch (const CallbackError&) {
       throw;  // already names its callback (an event fired from inside a hook)
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // keeps its type: the loop retries it (on_oom = "retry")
     } catch (const c10::Error& err) {
       throw CallbackError(cb.name(), std::string(to_string(e)), err.what_without_backtrace());
     } catch (const std::exception& err) {
@@ -298,6 +307,8 @@ torch::Tensor Learner::forward_from(size_t index, const torch::Tensor& x) {
   if (index >= forward_wrappers_.size()) {
     try {
       return model_->forward(x);
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // keeps its type: the loop retries it
     } catch (const c10::Error& err) {
       throw ModelForwardError("model forward failed: " + first_line(err.what_without_backtrace()));
     }
@@ -307,6 +318,8 @@ torch::Tensor Learner::forward_from(size_t index, const torch::Tensor& x) {
     return cb->wrap_forward(*this, x, ForwardNext(*this, index + 1));
   } catch (const Error&) {
     throw;  // ours: a CallbackError from a later wrapper, or the model's own error
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // keeps its type: the loop retries it
   } catch (const c10::Error& err) {
     throw CallbackError(cb->name(), "wrap_forward", err.what_without_backtrace());
   } catch (const std::exception& err) {
@@ -350,6 +363,24 @@ void Learner::backward() {
 void Learner::set_micro_batch_size(int64_t n) {
   if (n < 0) throw_usage_error("micro-batch size must be >= 0 (0 = whole batch), got " + std::to_string(n));
   micro_batch_size_ = n;
+}
+
+void Learner::set_oom_policy(const OomPolicy& p) {
+  if (p.budget < 0) throw_usage_error("memory budget must be >= 0 (0 = none), got " + std::to_string(p.budget));
+  if (p.max_retries < 1)
+    throw_usage_error("oom retries must be >= 1, got " + std::to_string(p.max_retries));
+  oom_ = p;
+}
+
+void Learner::set_micro_batch_cap(int64_t n) {
+  if (n < 0) throw_usage_error("micro-batch cap must be >= 0 (0 = none), got " + std::to_string(n));
+  micro_cap_ = n;
+}
+
+int64_t Learner::effective_micro_batch(int64_t n) const {
+  int64_t m = micro_batch_size_ > 0 ? std::min(micro_batch_size_, n) : n;
+  if (micro_cap_ > 0) m = std::min(m, micro_cap_);
+  return std::max<int64_t>(m, 1);
 }
 
 // ---------------------------------------------------------------- the loop
@@ -414,11 +445,37 @@ void Learner::fit(const std::vector<Stage>& stages) {
   memory().clear_records();
   model_->train();
 
-  fire(Event::BeforeFit);
-  if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
-  for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {
-    stage_index_ = static_cast<int64_t>(i);
-    run_stage(stages_[i]);
+  // The budget holds for the fit only: it is process-wide, and a test or a later fit must not
+  // inherit it.
+  std::optional<ScopedMemoryBudget> budget;
+  if (oom_.budget > 0) budget.emplace(oom_.budget);
+  micro_cap_ = oom_count_ = last_micro_batch_ = 0;
+  oom_retries_.clear();
+  auto_micro_batches_.clear();
+  if (memory().budget() > 0 && memory().current() > memory().budget())
+    throw OomError("run.memory_budget = " + format_bytes(memory().budget()) +
+                   " is less than what the model, the optimizer and the data already hold (" +
+                   format_bytes(memory().current()) + " live): raise the budget");
+
+  std::string oom;
+  try {
+    fire(Event::BeforeFit);
+    if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
+    for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {
+      stage_index_ = static_cast<int64_t>(i);
+      run_stage(stages_[i]);
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    // Out of memory where no retry applies (a callback's hook, validation): the loop's own
+    // places throw OomError with more context.
+    oom = first_line(e.what_without_backtrace());
+  }
+  if (!oom.empty()) {
+    reset_batch_state();
+    ++oom_count_;
+    throw OomError("out of memory in event '" + std::string(to_string(event_)) + "' (iteration " +
+                   std::to_string(iteration_) + "): " + oom +
+                   ". Retries cover the forward and backward of training batches only");
   }
   reset_batch_state();
   next_.done = true;
@@ -441,6 +498,13 @@ void Learner::run_stage(const Stage& s) {
   memory().open_window(kStageWindow);
 
   fire(Event::BeforeStage);
+  int64_t peak_before_probe = 0;
+  if (oom_.auto_micro_batch) {
+    // The probe's failed attempts touch the budget: they are not the stage's peak.
+    peak_before_probe = memory().window_peak(kStageWindow);
+    auto_micro_batches_.emplace_back(s.name, find_micro_batch());
+    memory().open_window(kStageWindow);
+  }
   const int64_t first_epoch = resume_ ? resume_epoch() : 0;
   if (resume_ && first_epoch >= s.epochs) apply_resume();  // only after_stage was left
   for (int64_t e = first_epoch; e < s.epochs && !stop_fit_; ++e) {
@@ -448,7 +512,7 @@ void Learner::run_stage(const Stage& s) {
     run_epoch();
   }
   StageStats& st = stage_stats_.back();
-  st.peak_bytes = std::max(st.peak_bytes, memory().window_peak(kStageWindow));
+  st.peak_bytes = std::max({st.peak_bytes, peak_before_probe, memory().window_peak(kStageWindow)});
   memory().record_stage_peak(s.name, st.peak_bytes);
   next_ = FitPosition{stage_index_ + 1, 0, 0, global_epoch_, iteration_, steps_};
   fire(Event::AfterStage);
@@ -477,7 +541,21 @@ void Learner::run_epoch() {
   auto t_train = Clock::now();
   for (int64_t i = first; run && i < num_batches_; ++i) {
     batch_index_ = i;
-    train_batch(train_.batch(i));
+    Batch b;
+    bool oom = false;
+    std::string message;
+    try {
+      b = train_.batch(i);
+    } catch (const c10::OutOfMemoryError& e) {
+      oom = true;
+      message = first_line(e.what_without_backtrace());
+    }
+    if (oom)  // micro-batches cannot help: the loader builds the whole batch
+      throw OomError("out of memory loading training batch " + std::to_string(i) + " of " +
+                     std::to_string(train_.batch_size()) + " samples: " + message +
+                     ". The batch itself must fit: raise run.memory_budget or lower "
+                     "data.batch_size");
+    train_batch(b);
     ++iteration_;
     if (max_steps_ > 0 && iteration_ >= max_steps_) stop_fit_ = true;
     if (stop_epoch_ || stop_fit_) break;
@@ -513,40 +591,69 @@ void Learner::train_batch(const Batch& b) {
     // The batch (as before_batch left it) runs as one or several micro-batches.
     const torch::Tensor bx = x_, by = y_;
     const int64_t n = by.size(0);
-    const int64_t mbs = micro_batch_size_ > 0 && micro_batch_size_ < n ? micro_batch_size_ : n;
-    micro_count_ = (n + mbs - 1) / mbs;
     torch::Tensor batch_loss;  // the batch's mean loss, for logging
     live_before_forward = mm.current();
-    for (int64_t k = 0; k < micro_count_ && !skip_batch_; ++k) {
-      micro_index_ = k;
-      const int64_t begin = k * mbs, len = std::min(mbs, n - begin);
-      x_ = micro_count_ == 1 ? bx : bx.narrow(0, begin, len);
-      y_ = micro_count_ == 1 ? by : by.narrow(0, begin, len);
+    // Gradients of earlier batches (accumulation): a failed backward cannot be undone then.
+    bool grads_at_start = false;
+    if (oom_.retry)
+      for (const auto& p : model_->parameters()) grads_at_start = grads_at_start || p.grad().defined();
+    int64_t begin = 0, failures = 0;
+    while (begin < n && !skip_batch_) {
+      // The size is taken at each micro-batch: a retry lowers the cap mid-batch.
+      const int64_t mbs = effective_micro_batch(n);
+      const int64_t len = std::min(mbs, n - begin);
+      micro_count_ = micro_index_ + (n - begin + mbs - 1) / mbs;
+      x_ = len == n ? bx : bx.narrow(0, begin, len);
+      y_ = len == n ? by : by.narrow(0, begin, len);
       micro_weight_ = static_cast<double>(len) / static_cast<double>(n);
       loss_scale_ = 1.0;
       pred_ = torch::Tensor();
       loss_ = torch::Tensor();
 
-      const int64_t live = mm.current();
-      mm.open_window(kPhaseWindow);
-      fire(Event::BeforeForward);
-      pred_ = forward(x_);
-      fire(Event::AfterForward);
-      loss_ = loss_fn_(pred_, y_);
-      fire(Event::AfterLoss);
-      const int64_t fpeak = mm.window_peak(kPhaseWindow);
-      note_phase_peak(Phase::Forward, fpeak);
-      forward_peak = std::max(forward_peak, fpeak - live + live_before_forward);
-      if (skip_batch_) break;
+      Phase phase = Phase::Forward;
+      bool oom = false;
+      std::string oom_message;
+      try {
+        const int64_t live = mm.current();
+        mm.open_window(kPhaseWindow);
+        fire(Event::BeforeForward);
+        pred_ = forward(x_);
+        fire(Event::AfterForward);
+        loss_ = loss_fn_(pred_, y_);
+        fire(Event::AfterLoss);
+        const int64_t fpeak = mm.window_peak(kPhaseWindow);
+        note_phase_peak(Phase::Forward, fpeak);
+        forward_peak = std::max(forward_peak, fpeak - live + live_before_forward);
+        if (skip_batch_) break;
 
-      mm.open_window(kPhaseWindow);
-      fire(Event::BeforeBackward);
-      backward();
-      fire(Event::AfterBackward);
-      note_phase_peak(Phase::Backward, mm.window_peak(kPhaseWindow));
+        mm.open_window(kPhaseWindow);
+        fire(Event::BeforeBackward);
+        phase = Phase::Backward;  // from here gradients may hold part of this micro-batch
+        backward();
+        fire(Event::AfterBackward);
+        note_phase_peak(Phase::Backward, mm.window_peak(kPhaseWindow));
+      } catch (const c10::OutOfMemoryError& e) {
+        // Only noted here: the recovery allocates and frees, which waits for the exception
+        // object (and whatever it holds) to be gone.
+        oom = true;
+        oom_message = first_line(e.what_without_backtrace());
+      }
+      if (oom) {
+        recover_from_oom(phase, mbs, n, grads_at_start, ++failures, oom_message);
+        if (phase == Phase::Backward) {
+          begin = 0;  // recover_from_oom dropped the batch's gradients
+          micro_index_ = 0;
+          batch_loss = torch::Tensor();
+        }
+        continue;
+      }
       torch::Tensor weighted = loss_.detach().to(torch::kFloat) * micro_weight_;
       batch_loss = batch_loss.defined() ? batch_loss + weighted : weighted;
+      begin += len;
+      ++micro_index_;
+      last_micro_batch_ = mbs;
     }
+    micro_index_ = std::max<int64_t>(0, std::min(micro_index_, micro_count_ - 1));
     x_ = bx;
     y_ = by;
     if (batch_loss.defined()) loss_ = batch_loss;  // the batch's loss, as one pass would give it
@@ -556,7 +663,23 @@ void Learner::train_batch(const Batch& b) {
     mm.open_window(kPhaseWindow);
     fire(Event::BeforeStep);
     if (!skip_step_ && !skip_batch_) {
-      optimizer_->step();
+      bool oom = false;
+      std::string message;
+      try {
+        optimizer_->step();
+      } catch (const c10::OutOfMemoryError& e) {
+        oom = true;
+        message = first_line(e.what_without_backtrace());
+      }
+      if (oom) {
+        ++oom_count_;
+        zero_grad();
+        throw OomError("out of memory in the optimizer step of batch " +
+                       std::to_string(batch_index_) + " (iteration " + std::to_string(iteration_) +
+                       "): " + message + ". Smaller micro-batches do not shrink the step (it "
+                       "holds the parameters, their gradients and the optimizer's state): raise "
+                       "run.memory_budget or use a lighter optimizer");
+      }
       zero_grad();
       ++steps_;
       fire(Event::AfterStep);
@@ -587,6 +710,51 @@ void Learner::train_batch(const Batch& b) {
       st.steady_measured = true;
     }
   }
+}
+
+void Learner::recover_from_oom(Phase phase, int64_t mbs, int64_t n, bool grads_at_start,
+                               int64_t failures, const std::string& message) {
+  ++oom_count_;
+  x_ = torch::Tensor();
+  y_ = torch::Tensor();
+  pred_ = torch::Tensor();
+  loss_ = torch::Tensor();
+  // A failed backward may have added part of the micro-batch to some gradients: the batch's
+  // gradients go, and the batch starts over (the caller resets its position).
+  if (phase == Phase::Backward) zero_grad();
+  compat::clear_autocast_cache();
+  memory().empty_cache();
+
+  const std::string where = std::string(to_string(phase)) + " of batch " +
+                            std::to_string(batch_index_) + " (iteration " +
+                            std::to_string(iteration_) + ", micro-batch " + std::to_string(mbs) +
+                            " of " + std::to_string(n) + " samples)";
+  const std::string budget =
+      memory().budget() > 0 ? "run.memory_budget = " + format_bytes(memory().budget())
+                            : "no run.memory_budget (the device's memory)";
+  if (!oom_.retry)
+    throw OomError("out of memory in " + where + ": " + message + ". With run.on_oom = "
+                   "\"retry\" the batch is retried with smaller micro-batches; or raise " +
+                   "run.memory_budget, or lower data.batch_size");
+  if (phase == Phase::Backward && grads_at_start)
+    throw OomError("out of memory in " + where + ": " + message +
+                   ". Gradients of earlier batches were being accumulated into this step "
+                   "(grad_accum mode = \"accumulate\"), and a failed backward may have added "
+                   "part of the batch to them, so the step cannot be retried exactly. Use "
+                   "grad_accum mode = \"split\" (or a larger " + budget + ")");
+  if (mbs <= 1)
+    throw OomError("out of memory in " + where + " even at micro-batch size 1, with " + budget +
+                   ": " + message + ". The model, its gradients and the optimizer's state do "
+                   "not fit: raise the budget or use a technique that shrinks them");
+  if (failures > oom_.max_retries)
+    throw OomError("out of memory in " + where + ": " + std::to_string(failures) +
+                   " out-of-memory errors on this batch (run.oom_retries = " +
+                   std::to_string(oom_.max_retries) + "), with " + budget + ": " + message);
+  const int64_t to = (mbs + 1) / 2;
+  micro_cap_ = to;
+  if (oom_retries_.size() < kMaxOomRecords)
+    oom_retries_.push_back({iteration_, phase, mbs, to, phase == Phase::Backward});
+  spdlog::warn("out of memory in {}: retrying with micro-batches of {} ({})", where, to, message);
 }
 
 void Learner::note_phase_peak(Phase p, int64_t bytes) {
@@ -649,6 +817,194 @@ torch::Tensor Learner::predict(const DataLoader& data) {
   std::vector<torch::Tensor> outs;
   for (int64_t i = 0; i < data.num_batches(); ++i) outs.push_back(predict(data.batch(i).x));
   return outs.empty() ? torch::Tensor() : torch::cat(outs);
+}
+
+// ---------------------------------------------------------------- micro-batch probe
+
+namespace {
+
+// What the probe must leave as it found it: the RNG (dropout draws) and the buffers
+// (BatchNorm's running statistics).
+struct RunState {
+  torch::Tensor cpu_rng;
+#ifdef FRUGAL_WITH_CUDA
+  torch::Tensor cuda_rng;
+#endif
+  std::vector<torch::Tensor> buffers;
+
+  RunState(torch::nn::Module& m, const torch::Device& d) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      cpu_rng = gen.get_state();
+    }
+#ifdef FRUGAL_WITH_CUDA
+    if (d.is_cuda()) {
+      auto cg = at::cuda::detail::getDefaultCUDAGenerator(d.index() < 0 ? 0 : d.index());
+      std::lock_guard<std::mutex> lock(cg.mutex());
+      cuda_rng = cg.get_state();
+    }
+#else
+    (void)d;
+#endif
+    torch::NoGradGuard g;
+    for (const auto& b : m.buffers()) buffers.push_back(b.clone());
+  }
+  void restore(torch::nn::Module& m, const torch::Device& d) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(cpu_rng);
+    }
+#ifdef FRUGAL_WITH_CUDA
+    if (d.is_cuda()) {
+      auto cg = at::cuda::detail::getDefaultCUDAGenerator(d.index() < 0 ? 0 : d.index());
+      std::lock_guard<std::mutex> lock(cg.mutex());
+      cg.set_state(cuda_rng);
+    }
+#else
+    (void)d;
+#endif
+    torch::NoGradGuard g;
+    auto bs = m.buffers();
+    for (size_t i = 0; i < bs.size() && i < buffers.size(); ++i) bs[i].copy_(buffers[i]);
+  }
+};
+
+// Bytes the first optimizer step adds that a forward and backward probe does not see: the
+// optimizer's state still to be created, and the step's temporaries (for the largest
+// parameter: Adam's sqrt and division, a weight-decayed copy of the gradient). From
+// LibTorch's optimizer implementations; an estimate for the others.
+struct StepNeeds {
+  int64_t state = 0, temporaries = 0;
+};
+StepNeeds step_needs(const torch::nn::Module& m, const torch::optim::Optimizer& opt,
+                     const OptimizerOptions& o) {
+  int64_t trainable = 0, largest = 0;
+  for (const auto& p : m.parameters()) {
+    if (!p.requires_grad()) continue;
+    trainable += static_cast<int64_t>(p.nbytes());
+    largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
+  }
+  int64_t state = 0, temps = 0;
+  const bool decay = o.weight_decay > 0;
+  if (o.name == "adam" || o.name == "adamw") {
+    state = 2 * trainable;
+    temps = 2 + (decay && o.name == "adam" ? 1 : 0);
+  } else if (o.name == "sgd") {
+    state = o.momentum > 0 ? trainable : 0;
+    temps = decay ? 1 : 0;
+  } else if (o.name == "rmsprop") {
+    state = trainable * (o.momentum > 0 ? 2 : 1);
+    temps = 1 + (decay ? 1 : 0);
+  } else {  // adagrad (its state exists from construction) and others
+    state = trainable;
+    temps = 1 + (decay ? 1 : 0);
+  }
+  return {std::max<int64_t>(0, state - optimizer_state_bytes(opt)), temps * largest};
+}
+
+}  // namespace
+
+Learner::ProbeResult Learner::probe_micro_batch(const Batch& b, int64_t m) {
+  MemoryMeter& mm = memory();
+  const int64_t n = b.size();
+  // Two micro-batches when the batch splits: from the second on, gradients are held while
+  // the next backward runs, which the first does not show.
+  const int64_t passes = m < n ? 2 : 1;
+  ProbeResult r;
+  mm.open_window(kPhaseWindow);
+  try {
+    for (int64_t k = 0; k < passes; ++k) {
+      const int64_t begin = k * m, len = std::min(m, n - begin);
+      torch::Tensor pred = forward(b.x.narrow(0, begin, len));
+      torch::Tensor loss = loss_fn_(pred, b.y.narrow(0, begin, len));
+      (loss * (static_cast<double>(len) / static_cast<double>(n))).backward();
+    }
+    r.after_backward = mm.current();
+  } catch (const c10::OutOfMemoryError&) {
+    r.oom = true;
+  }
+  r.peak = mm.window_peak(kPhaseWindow);
+  zero_grad();
+  compat::clear_autocast_cache();
+  mm.empty_cache();
+  return r;
+}
+
+int64_t Learner::find_micro_batch() {
+  live();
+  MemoryMeter& mm = memory();
+  const int64_t budget = mm.budget();
+  if (budget <= 0)
+    throw_usage_error("find_micro_batch needs a memory budget (run.memory_budget, "
+                      "OomPolicy::budget or MemoryMeter::set_budget)");
+  if (train_.num_batches() == 0) return 0;
+  const Batch b = train_.batch(0);
+  const int64_t n = b.size();
+
+  // The probe runs as a training forward would (train mode, training() true for the forward
+  // wrappers) and leaves no trace: gradients held before are set aside, RNG and buffers restored.
+  std::vector<torch::Tensor> held_grads;
+  for (auto& p : model_->parameters()) {
+    held_grads.push_back(p.grad());
+    p.mutable_grad().reset();
+  }
+  RunState state(*model_, device_);
+  const bool was_training = training_, module_training = model_->is_training();
+  training_ = true;
+  model_->train();
+  const StepNeeds needs = step_needs(*model_, *optimizer_, optimizer_options_);
+  // Slack for the loop's own scalars (the logged loss and its sums: a few bytes).
+  constexpr int64_t kSlack = 256;
+  std::map<int64_t, bool> tried;
+  auto fits = [&](int64_t m) {
+    auto it = tried.find(m);
+    if (it != tried.end()) return it->second;
+    const ProbeResult r = probe_micro_batch(b, m);
+    const bool ok = !r.oom && r.peak + needs.state + kSlack <= budget &&
+                    r.after_backward + needs.state + needs.temporaries + kSlack <= budget;
+    tried[m] = ok;
+    return ok;
+  };
+  auto restore = [&] {
+    state.restore(*model_, device_);
+    auto ps = model_->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = held_grads[i];
+    training_ = was_training;
+    if (!module_training) model_->eval();
+  };
+
+  // From the batch's own split (grad_accum's, or the whole batch) down by halves, then a
+  // binary search between the largest size that fits and the smallest that did not.
+  const int64_t start = micro_batch_size_ > 0 ? std::min(micro_batch_size_, n) : n;
+  int64_t lo = 0, hi = start + 1;  // lo fits (0: none yet), hi does not
+  try {
+    for (int64_t m = start; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) {
+      if (fits(m)) {
+        lo = m;
+        break;
+      }
+      hi = m;
+    }
+    while (lo > 0 && hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      (fits(mid) ? lo : hi) = mid;
+    }
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  if (lo == 0)
+    throw OomError("run.micro_batch = \"auto\": not even 1 sample fits run.memory_budget = " +
+                   format_bytes(budget) + " (" + format_bytes(mm.current()) +
+                   " live before the probe, " + format_bytes(needs.state) +
+                   " for the optimizer's state): raise the budget");
+  micro_cap_ = lo < start ? lo : 0;
+  spdlog::info("micro_batch = auto: {} of {} samples fit run.memory_budget = {} ({} probes)", lo,
+               n, format_bytes(budget), tried.size());
+  return lo;
 }
 
 // ---------------------------------------------------------------- model management
@@ -1038,6 +1394,21 @@ nlohmann::json Learner::report() const {
                                 {"p90", percentile(all_steps, 0.9)}}},
               {"final_loss", stage_stats_.empty() ? 0.0 : stage_stats_.back().last_epoch_loss}};
   if (valid_accuracy_ >= 0) out["valid_accuracy"] = valid_accuracy_;
+  if (oom_.budget > 0 || oom_.retry || oom_.auto_micro_batch || oom_count_ > 0) {
+    json retries = json::array();
+    for (const auto& r : oom_retries_)
+      retries.push_back({{"iteration", r.iteration}, {"phase", std::string(to_string(r.phase))},
+                         {"from", r.from}, {"to", r.to}, {"restarted", r.restarted}});
+    json autos = json::array();
+    for (const auto& [stage, m] : auto_micro_batches_)
+      autos.push_back({{"stage", stage}, {"micro_batch", m}});
+    out["oom"] = {{"budget", oom_.budget},
+                  {"on_oom", oom_.retry ? "retry" : "fail"},
+                  {"count", oom_count_},
+                  {"micro_batch", last_micro_batch_},  // as the last batch ran
+                  {"retries", retries},
+                  {"auto", autos}};
+  }
   return out;
 }
 

@@ -43,13 +43,32 @@ struct Tracker {
   int64_t current = 0;
   int64_t allocations = 0;
   std::array<int64_t, MemoryMeter::kWindows + 1> peaks{};  // last = process peak
+  int64_t budget = 0;  // 0 = none
+  int64_t refused = 0;
 
-  void add(void* p, size_t n) {
+  // Counts n bytes as live before they are allocated, so the budget check and the count are
+  // one step (two threads cannot both pass the check). False, with the live bytes, when the
+  // budget refuses them.
+  bool reserve(size_t n, int64_t* live, int64_t* limit) {
     std::lock_guard<std::mutex> g(m);
-    sizes.emplace(p, n);
+    if (budget > 0 && current + static_cast<int64_t>(n) > budget) {
+      ++refused;
+      *live = current;
+      *limit = budget;
+      return false;
+    }
     current += static_cast<int64_t>(n);
     ++allocations;
     for (auto& pk : peaks) pk = std::max(pk, current);
+    return true;
+  }
+  void unreserve(size_t n) {
+    std::lock_guard<std::mutex> g(m);
+    current -= static_cast<int64_t>(n);
+  }
+  void commit(void* p, size_t n) {
+    std::lock_guard<std::mutex> g(m);
+    sizes.emplace(p, n);
   }
   void remove(void* p) {
     std::lock_guard<std::mutex> g(m);
@@ -75,14 +94,31 @@ class TrackingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
     if (n == 0) return {nullptr, nullptr, &tracked_delete, c10::Device(c10::DeviceType::CPU)};
-    void* p = c10::alloc_cpu(n);
-    tracker().add(p, n);
+    int64_t live = 0, budget = 0;
+    if (!tracker().reserve(n, &live, &budget)) refuse(n, live, budget);
+    void* p = nullptr;
+    try {
+      p = c10::alloc_cpu(n);
+    } catch (...) {
+      tracker().unreserve(n);
+      throw;
+    }
+    tracker().commit(p, n);
     // The context is the data pointer and raw_deleter() is set: raw_allocate works
     // (oneDNN's bfloat16 kernels call it).
     return {p, p, &tracked_delete, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &tracked_delete; }
   FRUGAL_ALLOCATOR_COPY_DATA
+
+ private:
+  // The message reads like CUDA's caching allocator's, and the type is the one it throws.
+  [[noreturn]] static void refuse(size_t n, int64_t live, int64_t budget) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "frugal: out of memory: tried to allocate ",
+                     format_bytes(static_cast<int64_t>(n)), "; ", format_bytes(live),
+                     " live of budget ", format_bytes(budget), " (run.memory_budget)");
+    std::abort();  // unreachable: TORCH_CHECK_WITH(.., false, ..) throws
+  }
 };
 
 std::once_flag g_install_once;
@@ -254,6 +290,25 @@ void MemoryMeter::empty_cache() {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) compat::cuda_empty_cache();
 #endif
+}
+
+void MemoryMeter::set_budget(int64_t bytes) {
+  if (bytes < 0) throw_usage_error("memory budget must be >= 0 (0 = none), got " + std::to_string(bytes));
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) {
+    compat::cuda_set_memory_budget(bytes, std::max<int>(device_.index(), 0));
+    budget_ = bytes;
+    return;
+  }
+#endif
+  std::lock_guard<std::mutex> g(tracker().m);
+  tracker().budget = bytes;
+  budget_ = bytes;
+}
+
+int64_t MemoryMeter::refused() const {
+  std::lock_guard<std::mutex> g(tracker().m);
+  return tracker().refused;
 }
 
 // ---- formatting ----

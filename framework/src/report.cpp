@@ -147,6 +147,17 @@ std::string report_markdown(const nlohmann::json& r) {
      << num(fit["final_loss"].get<double>(), 4);
   if (fit.contains("valid_accuracy")) md << "; validation accuracy " << pct(fit["valid_accuracy"].get<double>());
   md << ".\n";
+  if (fit.contains("oom")) {
+    const auto& o = fit["oom"];
+    md << "\nMemory budget " << (get_i(o, "budget") > 0 ? format_bytes(get_i(o, "budget")) : "none")
+       << ", on_oom = " << o.value("on_oom", "") << ": " << get_i(o, "count")
+       << " out-of-memory errors caught; the last batch ran in micro-batches of "
+       << get_i(o, "micro_batch");
+    for (const auto& a : o["auto"])
+      md << "; micro_batch = auto chose " << get_i(a, "micro_batch") << " for stage "
+         << a.value("stage", "");
+    md << ".\n";
+  }
   return md.str();
 }
 

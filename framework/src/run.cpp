@@ -102,6 +102,12 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
         checkpoint_info(c), spdlog::default_logger()));
   learner->set_warmup_batches(c.run.warmup);
   if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
+  OomPolicy oom;
+  oom.budget = c.run.memory_budget_bytes();
+  oom.retry = c.run.on_oom == "retry";
+  oom.max_retries = c.run.oom_retries;
+  oom.auto_micro_batch = c.run.micro_batch == "auto";
+  learner->set_oom_policy(oom);
   return learner;
 }
 
@@ -143,7 +149,9 @@ void flatten(const toml::node& n, const std::string& key, std::map<std::string, 
 
 bool may_differ(const std::string& key) {
   for (const char* k : {"run.out_dir", "run.device", "run.threads", "run.progress", "run.log_every",
-                        "run.max_steps"})
+                        "run.max_steps",
+                        // memory settings: micro-batches keep the step's gradients
+                        "run.memory_budget", "run.on_oom", "run.oom_retries", "run.micro_batch"})
     if (key == k) return true;
   return key.rfind("run.checkpoint_", 0) == 0;
 }

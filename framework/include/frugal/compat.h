@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 
 #ifdef FRUGAL_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -93,6 +94,13 @@ inline void cuda_reset_peak(int device) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(device);
 }
 inline void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+/// Caps what the caching allocator may reserve on `device` at `bytes` (0 = the whole device):
+/// past it, allocations throw c10::OutOfMemoryError.
+inline void cuda_set_memory_budget(int64_t bytes, int device) {
+  const double total = static_cast<double>(at::cuda::getDeviceProperties(device)->totalGlobalMem);
+  const double fraction = bytes > 0 ? std::min(1.0, static_cast<double>(bytes) / total) : 1.0;
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device);
+}
 #endif
 
 /// The key of a parameter's entry in Optimizer::state(): LibTorch 1.13 keys it by the

@@ -24,7 +24,14 @@ struct RunOptions : Options {
   int64_t checkpoint_epochs = 0;       ///< epochs between checkpoints; 0 = off
   int64_t warmup = 2;                  ///< batches per stage left out of the step-time statistics
   std::string trace;                   ///< Chrome-trace JSON of phases and live memory; "" = off
+  std::string memory_budget;           ///< "1GiB"; "" = none (parse with memory_budget_bytes)
+  std::string on_oom = "fail";         ///< fail | retry
+  int64_t oom_retries = 4;             ///< retry: out-of-memory errors allowed on one batch
+  std::string micro_batch = "off";     ///< off | auto (the largest that fits memory_budget)
   void visit(FieldVisitor& v) override;
+  void check() const override;
+  /// memory_budget in bytes (0 = none).
+  int64_t memory_budget_bytes() const;
 };
 
 struct DataOptions : Options {

@@ -64,6 +64,15 @@ class UsageError : public Error {
   ~UsageError() override;
 };
 
+/// Training ran out of memory and could not go on: on_oom = "fail", or on_oom = "retry" after
+/// run.oom_retries failures on one batch or at micro-batch size 1. Names the budget, the
+/// micro-batch tried and the allocation refused.
+class OomError : public Error {
+ public:
+  using Error::Error;
+  ~OomError() override;
+};
+
 [[noreturn]] void throw_config_error(const std::string& msg);
 [[noreturn]] void throw_data_error(const std::string& msg);
 [[noreturn]] void throw_usage_error(const std::string& msg);

@@ -35,6 +35,20 @@ struct StageStats {
   double valid_accuracy = -1;            ///< after the stage's last epoch; -1 = not validated
 };
 
+/// What the loop does about memory (run.memory_budget, run.on_oom, run.oom_retries,
+/// run.micro_batch).
+struct OomPolicy {
+  /// Bytes installed as the meter's budget while fit() runs (0 = leave the meter's budget).
+  int64_t budget = 0;
+  /// On an out-of-memory error in forward or backward: retry the batch with half the
+  /// micro-batch (true), or stop with OomError (false).
+  bool retry = false;
+  /// Out-of-memory errors allowed on one batch before the fit stops with OomError.
+  int64_t max_retries = 4;
+  /// Before each stage, find_micro_batch(): the largest micro-batch that fits the budget.
+  bool auto_micro_batch = false;
+};
+
 /// Where a fit continues: the next batch to run. `epoch` may equal the stage's epochs (only
 /// after_stage is left) and `batch` the epoch's batch count (validation and after_epoch are
 /// left).
@@ -122,6 +136,35 @@ class Learner {
   /// into one step (samples of this batch / samples of the group). Reset to 1 each batch.
   void set_batch_weight(double w) { batch_weight_ = w; }
   double batch_weight() const { return batch_weight_; }
+
+  // ---- out of memory ----
+  /// The budget, retry and auto micro-batch settings; see OomPolicy.
+  ///
+  /// A retry: the error is only noted in the catch block; after it the batch's x, pred and
+  /// loss are dropped, autocast's and the allocator's caches purged, and the micro-batch cap
+  /// halved. An error in forward (no gradient touched yet) resumes the batch at the failed
+  /// micro-batch's first sample; an error in backward (some gradients may hold part of it)
+  /// drops the batch's gradients and restarts it at its first sample. Micro-batches are
+  /// weighted by their samples, so the step's gradients are those of the whole batch either
+  /// way. Callbacks see before_forward again without the after_* of the failed attempt, as
+  /// after any exception; before_batch does not fire again and the batch's flags and weight
+  /// stay. A backward error while gradients of earlier batches are accumulated (grad_accum's
+  /// accumulate mode) cannot be undone and stops the fit with OomError.
+  void set_oom_policy(const OomPolicy& p);
+  const OomPolicy& oom_policy() const { return oom_; }
+  /// The largest micro-batch the loop runs (0 = no cap), set by a retry or find_micro_batch().
+  /// It caps set_micro_batch_size() (so grad_accum re-applying its split does not undo it).
+  void set_micro_batch_cap(int64_t n);
+  int64_t micro_batch_cap() const { return micro_cap_; }
+  /// The micro-batch a batch of n samples runs in: min(n, micro_batch_size(), cap).
+  int64_t effective_micro_batch(int64_t n) const;
+  /// Out-of-memory errors caught in this fit.
+  int64_t oom_count() const { return oom_count_; }
+  /// Finds the largest micro-batch whose forward and backward on the first training batch
+  /// fit the meter's budget with room for the optimizer's step, and sets it as the cap.
+  /// The probe leaves the run unchanged: no step, gradients as they were, BatchNorm buffers
+  /// and RNG restored. Throws UsageError without a budget, OomError if 1 sample does not fit.
+  int64_t find_micro_batch();
 
   // ---- flags: set during a batch or an epoch, cleared by the loop ----
   /// The optimizer does not step and gradients are kept (they accumulate); a callback that
@@ -229,6 +272,14 @@ class Learner {
   size_t prepare_resume();
   int64_t resume_epoch() const;
   int64_t apply_resume();
+  struct ProbeResult {
+    bool oom = false;
+    int64_t peak = 0;        // live bytes at the highest point of forward and backward
+    int64_t after_backward = 0;  // live bytes once backward is done (gradients held)
+  };
+  ProbeResult probe_micro_batch(const Batch& b, int64_t m);
+  void recover_from_oom(Phase phase, int64_t mbs, int64_t n, bool grads_at_start,
+                        int64_t failures, const std::string& message);
 
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
@@ -265,6 +316,17 @@ class Learner {
   FitPosition next_;  // the next batch to run, kept current by the loop
   struct PendingResume;
   std::unique_ptr<PendingResume> resume_;  // set by load_checkpoint, consumed by fit
+  OomPolicy oom_;
+  int64_t micro_cap_ = 0, oom_count_ = 0;
+  int64_t last_micro_batch_ = 0;  // the micro-batch the last training batch ran at
+  struct OomRetry {
+    int64_t iteration = 0;
+    Phase phase = Phase::Forward;
+    int64_t from = 0, to = 0;
+    bool restarted = false;  // backward: the batch restarted at its first sample
+  };
+  std::vector<OomRetry> oom_retries_;  // the first kMaxOomRecords, for the report
+  std::vector<std::pair<std::string, int64_t>> auto_micro_batches_;  // per stage
 
  public:
   /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests.

@@ -82,11 +82,43 @@ class MemoryMeter {
   /// Releases cached blocks the allocator holds (CUDA's empty_cache); no-op on CPU.
   void empty_cache();
 
+  /// A memory budget in bytes (0 = none). On CPU the tracking allocator refuses an allocation
+  /// that would take the live bytes past it, throwing c10::OutOfMemoryError as LibTorch does
+  /// on CUDA, so out-of-memory handling runs (and is tested) without a GPU. On CUDA it sets
+  /// the caching allocator's memory fraction to budget / device memory (that limit applies to
+  /// the bytes the allocator reserves, which include its cache). Applies to the device chosen
+  /// by set_device(); process-wide, like the allocator.
+  void set_budget(int64_t bytes);
+  int64_t budget() const { return budget_; }
+  /// Allocations the CPU budget refused since install.
+  int64_t refused() const;
+
  private:
   MemoryMeter() = default;
   torch::Device device_{torch::kCPU};
   std::array<int64_t, 4> phase_peaks_{};
   std::map<std::string, int64_t> stage_peaks_;
+  int64_t budget_ = 0;
+};
+
+/// Sets the meter's budget for a scope and restores the previous one after (budgets are
+/// process-wide: a fit, a test, a probe sets one and must not leak it).
+class ScopedMemoryBudget {
+ public:
+  explicit ScopedMemoryBudget(int64_t bytes) : previous_(MemoryMeter::get().budget()) {
+    MemoryMeter::get().set_budget(bytes);
+  }
+  ~ScopedMemoryBudget() {
+    try {
+      MemoryMeter::get().set_budget(previous_);
+    } catch (...) {  // a destructor does not throw; restoring a previous budget cannot fail
+    }
+  }
+  ScopedMemoryBudget(const ScopedMemoryBudget&) = delete;
+  ScopedMemoryBudget& operator=(const ScopedMemoryBudget&) = delete;
+
+ private:
+  int64_t previous_;
 };
 
 /// Formats bytes for people: "1.5 MiB".
