@@ -18,6 +18,7 @@
 #include "frugal/compat.h"
 #include "frugal/error.h"
 #include "frugal/report.h"
+#include "frugal/rng.h"
 
 namespace frugal {
 
@@ -826,45 +827,15 @@ namespace {
 // What the probe must leave as it found it: the RNG (dropout draws) and the buffers
 // (BatchNorm's running statistics).
 struct RunState {
-  torch::Tensor cpu_rng;
-#ifdef FRUGAL_WITH_CUDA
-  torch::Tensor cuda_rng;
-#endif
+  RngState rng;
   std::vector<torch::Tensor> buffers;
 
-  RunState(torch::nn::Module& m, const torch::Device& d) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      cpu_rng = gen.get_state();
-    }
-#ifdef FRUGAL_WITH_CUDA
-    if (d.is_cuda()) {
-      auto cg = at::cuda::detail::getDefaultCUDAGenerator(d.index() < 0 ? 0 : d.index());
-      std::lock_guard<std::mutex> lock(cg.mutex());
-      cuda_rng = cg.get_state();
-    }
-#else
-    (void)d;
-#endif
+  RunState(torch::nn::Module& m, const torch::Device& d) : rng(RngState::capture(d)) {
     torch::NoGradGuard g;
     for (const auto& b : m.buffers()) buffers.push_back(b.clone());
   }
-  void restore(torch::nn::Module& m, const torch::Device& d) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(cpu_rng);
-    }
-#ifdef FRUGAL_WITH_CUDA
-    if (d.is_cuda()) {
-      auto cg = at::cuda::detail::getDefaultCUDAGenerator(d.index() < 0 ? 0 : d.index());
-      std::lock_guard<std::mutex> lock(cg.mutex());
-      cg.set_state(cuda_rng);
-    }
-#else
-    (void)d;
-#endif
+  void restore(torch::nn::Module& m) {
+    rng.restore();
     torch::NoGradGuard g;
     auto bs = m.buffers();
     for (size_t i = 0; i < bs.size() && i < buffers.size(); ++i) bs[i].copy_(buffers[i]);
@@ -968,7 +939,7 @@ int64_t Learner::find_micro_batch() {
     return ok;
   };
   auto restore = [&] {
-    state.restore(*model_, device_);
+    state.restore(*model_);
     auto ps = model_->parameters();
     for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = held_grads[i];
     training_ = was_training;

@@ -14,10 +14,8 @@
 
 #include "frugal/compat.h"
 #include "frugal/error.h"
+#include "frugal/rng.h"
 
-#ifdef FRUGAL_WITH_CUDA
-#include <ATen/cuda/CUDAGeneratorImpl.h>
-#endif
 
 namespace frugal::checkpoint {
 
@@ -86,47 +84,6 @@ inline std::vector<Segment> plan_by_names(const std::vector<std::string>& blocks
   return out;
 }
 
-/// The default generators' states: dropout in the recompute draws what the forward drew.
-struct RngState {
-  torch::Tensor cpu;
-#ifdef FRUGAL_WITH_CUDA
-  torch::Tensor cuda;
-  c10::DeviceIndex device = -1;
-#endif
-  static RngState capture(const torch::Device& d) {
-    RngState s;
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      s.cpu = gen.get_state();
-    }
-#ifdef FRUGAL_WITH_CUDA
-    if (d.is_cuda()) {
-      s.device = d.has_index() ? d.index() : c10::DeviceIndex(0);
-      auto cg = at::cuda::detail::getDefaultCUDAGenerator(s.device);
-      std::lock_guard<std::mutex> lock(cg.mutex());
-      s.cuda = cg.get_state();
-    }
-#else
-    (void)d;
-#endif
-    return s;
-  }
-  void restore() const {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(cpu);
-    }
-#ifdef FRUGAL_WITH_CUDA
-    if (cuda.defined()) {
-      auto cg = at::cuda::detail::getDefaultCUDAGenerator(device);
-      std::lock_guard<std::mutex> lock(cg.mutex());
-      cg.set_state(cuda);
-    }
-#endif
-  }
-};
 
 /// Autocast's state for CPU and CUDA, so the recompute runs in the precision the forward ran in.
 struct AutocastState {

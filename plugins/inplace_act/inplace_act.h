@@ -17,11 +17,9 @@
 #include <frugal/learner.h>
 #include <frugal/memory.h>
 #include <frugal/plugin.h>
+#include <frugal/rng.h>
 #include <torch/torch.h>
 
-#ifdef FRUGAL_WITH_CUDA
-#include <ATen/cuda/CUDAGeneratorImpl.h>
-#endif
 
 namespace frugal::inplace_act {
 
@@ -124,48 +122,6 @@ inline std::vector<Site> find_sites(const std::shared_ptr<nn::Module>& model) {
 
 // ---- one forward and backward, leaving the model as it was --------------------------------
 
-/// The default generators' states: dropout draws the same masks in every pass and the run
-/// continues as if the check had not run.
-struct RngState {
-  torch::Tensor cpu;
-#ifdef FRUGAL_WITH_CUDA
-  torch::Tensor cuda;
-  c10::DeviceIndex device = -1;
-#endif
-  static RngState capture(const torch::Device& d) {
-    RngState s;
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      s.cpu = gen.get_state();
-    }
-#ifdef FRUGAL_WITH_CUDA
-    if (d.is_cuda()) {
-      s.device = d.has_index() ? d.index() : c10::DeviceIndex(0);
-      auto cg = at::cuda::detail::getDefaultCUDAGenerator(s.device);
-      std::lock_guard<std::mutex> lock(cg.mutex());
-      s.cuda = cg.get_state();
-    }
-#else
-    (void)d;
-#endif
-    return s;
-  }
-  void restore() const {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(cpu);
-    }
-#ifdef FRUGAL_WITH_CUDA
-    if (cuda.defined()) {
-      auto cg = at::cuda::detail::getDefaultCUDAGenerator(device);
-      std::lock_guard<std::mutex> lock(cg.mutex());
-      cg.set_state(cuda);
-    }
-#endif
-  }
-};
 
 /// What a check pass may change in the model and the process, restored after every pass:
 /// gradients, buffers (BatchNorm's running statistics and batch counter), RNG, train modes.

@@ -14,5 +14,6 @@
 #include "frugal/registry.h"
 #include "frugal/report.h"
 #include "frugal/run.h"
+#include "frugal/rng.h"
 #include "frugal/trace.h"
 #include "frugal/version.h"
