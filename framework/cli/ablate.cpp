@@ -39,7 +39,13 @@ struct Row {
   double wall_seconds = 0;
   int64_t iterations = 0;
   int64_t peak = 0, reserved = -1;
-  std::map<std::string, int64_t> phase, steady;
+  std::map<std::string, int64_t> phase, steady;  // steady: the first stage's
+  struct StageRow {
+    std::string name;
+    int64_t train_peak = 0;  ///< the highest of the stage's forward, backward and step peaks
+    std::map<std::string, int64_t> steady;
+  };
+  std::vector<StageRow> stages;
   double median = 0, p10 = 0, p90 = 0, samples_per_second = 0, final_loss = 0;
   double accuracy = -1;  ///< -1: not validated
   // relative to the baseline (when both worked)
@@ -115,6 +121,14 @@ void summarize(Row& row, const std::vector<ChildResult>& reps) {
     for (const char* p : kPhases) row.phase[p] = get_i(fit["phase_peaks"], p);
     const json steady = fit["stages"].empty() ? json() : fit["stages"][0]["steady"];
     for (const char* c : kCategories) row.steady[c] = get_i(steady, c);
+    for (const auto& st : fit["stages"]) {
+      Row::StageRow sr;
+      sr.name = st.value("name", std::string());
+      for (int p = 0; p < 3; ++p)
+        sr.train_peak = std::max(sr.train_peak, get_i(st["phase_peaks"], kPhases[p]));
+      for (const char* c : kCategories) sr.steady[c] = get_i(st["steady"], c);
+      row.stages.push_back(std::move(sr));
+    }
     row.final_loss = get_d(fit, "final_loss");
     row.accuracy = get_d(fit, "valid_accuracy", -1);
   }
@@ -154,7 +168,12 @@ std::string fixed(double v, int precision) {
   return os.str();
 }
 std::string mib(int64_t b) { return fixed(static_cast<double>(b) / (1024.0 * 1024.0), 2); }
-std::string signed_fixed(double v, int precision) { return (v >= 0 ? "+" : "") + fixed(v, precision); }
+std::string signed_fixed(double v, int precision) {
+  const std::string digits = fixed(std::fabs(v), precision);
+  // -0.0 and values that round to zero print as +0.0, not +-0.0.
+  const bool zero = digits.find_first_not_of("0.") == std::string::npos;
+  return (zero || v >= 0 ? "+" : "-") + digits;
+}
 
 json row_json(const Row& r) {
   json j = {{"name", r.run.name},       {"techniques", r.run.on}, {"ok", r.ok},
@@ -247,13 +266,42 @@ std::string explain(const Row& r, const Row& base) {
     os << (r.saved_percent < 0 ? " The peak grows" : " The peak barely moves")
        << ": activations are " << fixed(act_share, 0) << "% of the baseline's peak, and this run's "
        << "peak is in its " << top << " phase (" << format_bytes(r.phase.at(top)) << ")";
-    if (std::string(top) == "backward" && r.phase.at("backward") > r.phase.at("forward"))
+    const bool saved_forward = r.phase.at("forward") < base.phase.at("forward");
+    if (std::string(top) == "backward" && r.phase.at("backward") > r.phase.at("forward") &&
+        saved_forward)
       os << ", above its forward phase's (" << format_bytes(r.phase.at("forward"))
          << "): what it saves in the forward is live again in the backward (recomputed "
             "segments, gradient buffers).";
+    else if (!saved_forward && r.phase.at(top) >= base.phase.at(top))
+      os << ", as the baseline's: the technique does not change what a training step holds "
+            "here.";
     else
       os << ", where parameters, gradients, optimizer state and data are held whatever the "
             "technique does to activations.";
+  }
+  // A technique that acts in a later stage (a purge, an optimizer swap) cannot lower a peak
+  // that an earlier stage sets: say what it changed where it acts.
+  for (size_t i = 1; i < r.stages.size() && i < base.stages.size(); ++i) {
+    const auto& rs = r.stages[i];
+    const auto& bs = base.stages[i];
+    std::string cat;
+    int64_t d = 0;
+    for (const char* c : kCategories) {
+      const int64_t dc = rs.steady.at(c) - bs.steady.at(c);
+      if (std::llabs(dc) > std::llabs(d)) {
+        d = dc;
+        cat = c;
+      }
+    }
+    if (cat.empty() && rs.train_peak == bs.train_peak) continue;
+    os << " In stage '" << rs.name << "': training peak " << format_bytes(bs.train_peak) << " -> "
+       << format_bytes(rs.train_peak);
+    if (!cat.empty())
+      os << ", steady " << cat << " " << format_bytes(bs.steady.at(cat)) << " -> "
+         << format_bytes(rs.steady.at(cat));
+    os << ".";
+    if (rs.train_peak < bs.train_peak && r.peak >= base.peak)
+      os << " The fit's peak is set in an earlier stage, which this technique leaves as it is.";
   }
   return os.str();
 }

@@ -496,14 +496,14 @@ void Learner::run_stage(const Stage& s) {
     stage_stats_.back().name = s.name;
   }
   last_probe_ = {};  // a short stage falls back to its own last batch, not the previous stage's
-  memory().open_window(kStageWindow);
 
   fire(Event::BeforeStage);
-  int64_t peak_before_probe = 0;
+  // The stage's peak is what the stage holds from here: what a before_stage hook released (a
+  // purge, an optimizer swap) is not charged to the new stage.
+  memory().open_window(kStageWindow);
   if (oom_.auto_micro_batch) {
-    // The probe's failed attempts touch the budget: they are not the stage's peak.
-    peak_before_probe = memory().window_peak(kStageWindow);
     auto_micro_batches_.emplace_back(s.name, find_micro_batch());
+    // The probe's failed attempts touch the budget: they are not the stage's peak.
     memory().open_window(kStageWindow);
   }
   const int64_t first_epoch = resume_ ? resume_epoch() : 0;
@@ -513,7 +513,7 @@ void Learner::run_stage(const Stage& s) {
     run_epoch();
   }
   StageStats& st = stage_stats_.back();
-  st.peak_bytes = std::max({st.peak_bytes, peak_before_probe, memory().window_peak(kStageWindow)});
+  st.peak_bytes = std::max(st.peak_bytes, memory().window_peak(kStageWindow));
   memory().record_stage_peak(s.name, st.peak_bytes);
   next_ = FitPosition{stage_index_ + 1, 0, 0, global_epoch_, iteration_, steps_};
   fire(Event::AfterStage);
