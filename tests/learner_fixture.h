@@ -94,4 +94,22 @@ inline bool params_equal(torch::nn::Module& m, const std::vector<torch::Tensor>&
   return true;
 }
 
+/// A zoo model (mlp, cnn, resnet, vit) for 1-channel `image` x `image` inputs and 4 classes,
+/// its weights drawn after torch::manual_seed(seed).
+inline torch::nn::Sequential make_zoo_model(const std::string& arch, int64_t depth, int64_t width,
+                                            double dropout, uint64_t seed = 0, int64_t image = 8) {
+  torch::manual_seed(seed);
+  ModelOptions mo;
+  mo.arch = arch;
+  mo.depth = depth;
+  mo.width = width;
+  mo.dropout = dropout;
+  ModelInput in;
+  in.channels = 1;
+  in.image_size = image;
+  in.num_classes = 4;
+  in.image_sizes = {image};
+  return make_model(mo, in);
+}
+
 }  // namespace frugal::test

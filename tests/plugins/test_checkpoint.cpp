@@ -15,18 +15,7 @@ namespace ck = frugal::checkpoint;
 
 torch::nn::Sequential make_mlp(int64_t depth, int64_t width, double dropout, int64_t image = 8,
                                uint64_t seed = 0) {
-  torch::manual_seed(seed);
-  ModelOptions mo;
-  mo.arch = "mlp";
-  mo.depth = depth;
-  mo.width = width;
-  mo.dropout = dropout;
-  ModelInput in;
-  in.channels = 1;
-  in.image_size = image;
-  in.num_classes = 4;
-  in.image_sizes = {image};
-  return make_model(mo, in);
+  return make_zoo_model("mlp", depth, width, dropout, seed, image);
 }
 
 /// Seeds, runs the forward (checkpointed by `plan`, or plain when empty), backward of a loss,

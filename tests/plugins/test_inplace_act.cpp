@@ -17,18 +17,7 @@ namespace nn = torch::nn;
 
 torch::nn::Sequential zoo(const std::string& arch, int64_t depth, int64_t width, double dropout,
                           uint64_t seed = 0, int64_t image = 8) {
-  torch::manual_seed(seed);
-  ModelOptions mo;
-  mo.arch = arch;
-  mo.depth = depth;
-  mo.width = width;
-  mo.dropout = dropout;
-  ModelInput in;
-  in.channels = 1;
-  in.image_size = image;
-  in.num_classes = 4;
-  in.image_sizes = {image};
-  return make_model(mo, in);
+  return make_zoo_model(arch, depth, width, dropout, seed, image);
 }
 
 LossFn ce() { return make_loss(LossOptions{}); }
