@@ -236,21 +236,25 @@ std::string results_csv(const std::vector<Row>& rows) {
   return os.str();
 }
 
+/// The steady-state category that changed most from `base` to `run`, and by how many bytes
+/// ("" and 0 when none changed).
+std::pair<std::string, int64_t> largest_change(const std::map<std::string, int64_t>& base,
+                                               const std::map<std::string, int64_t>& run) {
+  std::pair<std::string, int64_t> out{"", 0};
+  for (const char* c : kCategories) {
+    const int64_t d = run.at(c) - base.at(c);
+    if (std::llabs(d) > std::llabs(out.second)) out = {c, d};
+  }
+  return out;
+}
+
 /// Why a technique's row shows the saving it shows: which steady category moved and what
 /// bounds the peak.
 std::string explain(const Row& r, const Row& base) {
   std::ostringstream os;
   os << "- **" << r.run.name << "**: peak " << format_bytes(base.peak) << " -> "
      << format_bytes(r.peak) << " (" << signed_fixed(-r.saved_percent, 1) << "%).";
-  std::string moved;
-  int64_t biggest = 0;
-  for (const char* c : kCategories) {
-    const int64_t d = r.steady.at(c) - base.steady.at(c);
-    if (std::llabs(d) > std::llabs(biggest)) {
-      biggest = d;
-      moved = c;
-    }
-  }
+  const auto [moved, biggest] = largest_change(base.steady, r.steady);
   if (!moved.empty()) {
     const int64_t b = base.steady.at(moved);
     os << " Steady " << moved << " " << format_bytes(b) << " -> "
@@ -284,15 +288,7 @@ std::string explain(const Row& r, const Row& base) {
   for (size_t i = 1; i < r.stages.size() && i < base.stages.size(); ++i) {
     const auto& rs = r.stages[i];
     const auto& bs = base.stages[i];
-    std::string cat;
-    int64_t d = 0;
-    for (const char* c : kCategories) {
-      const int64_t dc = rs.steady.at(c) - bs.steady.at(c);
-      if (std::llabs(dc) > std::llabs(d)) {
-        d = dc;
-        cat = c;
-      }
-    }
+    const std::string cat = largest_change(bs.steady, rs.steady).first;
     if (cat.empty() && rs.train_peak == bs.train_peak) continue;
     os << " In stage '" << rs.name << "': training peak " << format_bytes(bs.train_peak) << " -> "
        << format_bytes(rs.train_peak);
