@@ -9,7 +9,23 @@ DataError::~DataError() = default;
 CheckpointError::~CheckpointError() = default;
 PluginError::~PluginError() = default;
 UsageError::~UsageError() = default;
+
+OomError::OomError(const std::string& what, Phase phase, int64_t iteration)
+    : Error(what), phase_(phase), iteration_(iteration) {}
 OomError::~OomError() = default;
+
+std::string_view to_string(OomError::Phase p) {
+  switch (p) {
+    case OomError::Phase::Start: return "start";
+    case OomError::Phase::Load: return "load";
+    case OomError::Phase::Forward: return "forward";
+    case OomError::Phase::Backward: return "backward";
+    case OomError::Phase::Step: return "step";
+    case OomError::Phase::Event: return "event";
+    case OomError::Phase::Probe: return "probe";
+  }
+  return "unknown";
+}
 
 CallbackError::CallbackError(std::string callback, std::string event, const std::string& reason)
     : Error("callback '" + callback + "' failed in event '" + event + "': " + reason),

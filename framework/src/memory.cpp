@@ -253,37 +253,80 @@ int64_t MemoryMeter::allocations() const {
   return tracker().allocations;
 }
 
-void MemoryMeter::open_window(int slot) {
-  TORCH_CHECK(slot >= 0 && slot < kWindows, "memory window slot must be in [0, ", kWindows, ")");
+namespace {
+// Which window slots are open; a slot's peak lives in the tracker (or CudaWindows).
+struct WindowSlots {
+  std::mutex m;
+  std::array<bool, MemoryMeter::kWindows> open{};
+};
+WindowSlots& window_slots() {
+  static auto* w = new WindowSlots();  // never destroyed: windows may close after main returns
+  return *w;
+}
+}  // namespace
+
+MemoryWindow MemoryMeter::open_window() {
+  int slot = -1;
+  {
+    WindowSlots& w = window_slots();
+    std::lock_guard<std::mutex> g(w.m);
+    for (int i = 0; i < kWindows && slot < 0; ++i)
+      if (!w.open[static_cast<size_t>(i)]) slot = i;
+    if (slot < 0)
+      throw_usage_error("all " + std::to_string(kWindows) +
+                        " memory windows are open: close one (a MemoryWindow gives its slot "
+                        "back when destroyed) before opening another");
+    w.open[static_cast<size_t>(slot)] = true;
+  }
+  reset_window(slot);
+  return MemoryWindow(slot);
+}
+
+void MemoryMeter::reset_window(int slot) {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return cuda_windows().reset_slot(std::max<int>(device_.index(), 0), slot);
 #endif
   std::lock_guard<std::mutex> g(tracker().m);
-  tracker().peaks[slot] = tracker().current;
+  tracker().peaks[static_cast<size_t>(slot)] = tracker().current;
 }
 
 int64_t MemoryMeter::window_peak(int slot) const {
-  TORCH_CHECK(slot >= 0 && slot < kWindows, "memory window slot must be in [0, ", kWindows, ")");
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return cuda_windows().peak(std::max<int>(device_.index(), 0), slot);
 #endif
   std::lock_guard<std::mutex> g(tracker().m);
-  return tracker().peaks[slot];
+  return tracker().peaks[static_cast<size_t>(slot)];
 }
 
-void MemoryMeter::record_phase_peak(Phase p, int64_t bytes) {
-  auto& v = phase_peaks_[static_cast<size_t>(p)];
-  v = std::max(v, bytes);
+void MemoryMeter::close_window(int slot) {
+  WindowSlots& w = window_slots();
+  std::lock_guard<std::mutex> g(w.m);
+  w.open[static_cast<size_t>(slot)] = false;
 }
 
-void MemoryMeter::record_stage_peak(const std::string& stage, int64_t bytes) {
-  auto& v = stage_peaks_[stage];
-  v = std::max(v, bytes);
+MemoryWindow& MemoryWindow::operator=(MemoryWindow&& o) noexcept {
+  if (this != &o) {
+    close();
+    slot_ = o.slot_;
+    o.slot_ = -1;
+  }
+  return *this;
 }
 
-void MemoryMeter::clear_records() {
-  phase_peaks_.fill(0);
-  stage_peaks_.clear();
+int64_t MemoryWindow::peak() const {
+  if (!is_open()) throw_usage_error("MemoryWindow::peak: the window is closed");
+  return MemoryMeter::get().window_peak(slot_);
+}
+
+void MemoryWindow::reset() {
+  if (!is_open()) throw_usage_error("MemoryWindow::reset: the window is closed");
+  MemoryMeter::get().reset_window(slot_);
+}
+
+void MemoryWindow::close() noexcept {
+  if (!is_open()) return;
+  MemoryMeter::get().close_window(slot_);
+  slot_ = -1;
 }
 
 void MemoryMeter::empty_cache() {

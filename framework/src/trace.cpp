@@ -12,9 +12,6 @@
 namespace frugal {
 
 namespace {
-// The Learner's phase window (memory.h: slot 1), opened just before each phase's first event;
-// read at the phase's end it is the phase's peak so far.
-constexpr int kPhaseWindow = 1;
 constexpr const char* kSpanNames[] = {"batch", "forward", "backward", "step", "validate"};
 }  // namespace
 
@@ -53,11 +50,10 @@ void TraceCallback::open(Kind k, int64_t step) {
   sample(t, step);
 }
 
-void TraceCallback::close(Kind k) {
+void TraceCallback::close(Kind k, int64_t phase_peak) {
   const auto i = static_cast<size_t>(k);
   if (open_start_[i] < 0) return;
   const int64_t t = now_ns();
-  MemoryMeter& mm = MemoryMeter::get();
   Record r;
   r.start_ns = open_start_[i];
   r.dur_ns = t - open_start_[i];
@@ -68,7 +64,7 @@ void TraceCallback::close(Kind k) {
     for (size_t j = records_.size(); j-- > 0 && records_[j].start_ns >= r.start_ns;)
       if (records_[j].kind != Kind::Counter) r.bytes = std::max(r.bytes, records_[j].bytes);
   } else {
-    r.bytes = mm.window_peak(kPhaseWindow);
+    r.bytes = phase_peak;
   }
   records_.push_back(r);
   open_start_[i] = -1;
@@ -85,17 +81,18 @@ void TraceCallback::before_fit(Learner&) {
 
 void TraceCallback::before_batch(Learner& l) { open(Kind::Batch, l.iteration()); }
 void TraceCallback::before_forward(Learner& l) { open(Kind::Forward, l.iteration()); }
-void TraceCallback::after_loss(Learner&) { close(Kind::Forward); }
+// The Learner's phase peak, read at a phase's end, is the phase's peak so far.
+void TraceCallback::after_loss(Learner& l) { close(Kind::Forward, l.phase_peak()); }
 void TraceCallback::before_backward(Learner& l) { open(Kind::Backward, l.iteration()); }
-void TraceCallback::after_backward(Learner&) { close(Kind::Backward); }
+void TraceCallback::after_backward(Learner& l) { close(Kind::Backward, l.phase_peak()); }
 void TraceCallback::before_step(Learner& l) { open(Kind::Step, l.iteration()); }
-void TraceCallback::after_batch(Learner&) {
+void TraceCallback::after_batch(Learner& l) {
   // The step span ends with the batch: after_step does not fire for a skipped step.
-  close(Kind::Step);
+  close(Kind::Step, l.phase_peak());
   close(Kind::Batch);
 }
 void TraceCallback::before_validate(Learner& l) { open(Kind::Validate, l.iteration()); }
-void TraceCallback::after_validate(Learner&) { close(Kind::Validate); }
+void TraceCallback::after_validate(Learner& l) { close(Kind::Validate, l.phase_peak()); }
 void TraceCallback::after_fit(Learner&) { write(); }
 
 std::string TraceCallback::json() const {

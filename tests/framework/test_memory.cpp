@@ -27,12 +27,36 @@ TEST(MemoryMeter, WindowsMeasureThePeakOfARegion) {
   MemoryMeter& mm = MemoryMeter::get();
   { torch::Tensor big = torch::empty({1 << 16}, torch::kFloat); }  // a peak before the window
   const int64_t base = mm.current();
-  mm.open_window(3);
-  EXPECT_EQ(mm.window_peak(3), base);
+  MemoryWindow w = mm.open_window();
+  EXPECT_EQ(w.peak(), base);
   {
     torch::Tensor t = torch::empty({100}, torch::kByte);
   }
-  EXPECT_EQ(mm.window_peak(3) - base, 100);
+  EXPECT_EQ(w.peak() - base, 100);
+  w.reset();
+  EXPECT_EQ(w.peak(), base);
+}
+
+TEST(MemoryMeter, WindowsGiveTheirSlotBackWhenDestroyed) {
+  MemoryMeter& mm = MemoryMeter::get();
+  std::vector<MemoryWindow> all;
+  while (all.size() < static_cast<size_t>(MemoryMeter::kWindows)) {
+    try {
+      all.push_back(mm.open_window());
+    } catch (const UsageError&) {
+      break;  // windows another part of the process holds
+    }
+  }
+  ASSERT_FALSE(all.empty());
+  EXPECT_THROW(mm.open_window(), UsageError);  // every slot is taken
+  all.pop_back();
+  MemoryWindow again = mm.open_window();  // the destroyed window's slot
+  EXPECT_TRUE(again.is_open());
+  MemoryWindow moved = std::move(again);
+  EXPECT_FALSE(again.is_open());
+  EXPECT_TRUE(moved.is_open());
+  moved.close();
+  EXPECT_THROW((void)moved.peak(), UsageError);
 }
 
 TEST(MemoryMeter, ServesRawAllocate) {

@@ -2,6 +2,7 @@
 /// The callback base: a plugin or a user overrides only the hooks it needs; each is a no-op.
 /// The bus (Learner) owns ordering, error context and timing: hooks are never called directly.
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -23,14 +24,62 @@ class ForwardNext {
   size_t index_;
 };
 
+/// Callback orders: lower runs first in before_* events and last in after_* events (so a
+/// callback undoes in after_* what it did in before_*, innermost first). Every in-tree callback
+/// has its own; a callback of yours takes one of the gaps, or kDefault.
+///
+///   kTrace               the timeline: its spans include every other hook
+///   kCheckpointWriter    saves in after_* once every other callback has updated its state
+///   -- state changes between stages, before anything measures the stage --
+///   kModelRewrite        rewrites the model's modules (in-place activations)
+///   kOptimizerSwap       replaces the optimizer
+///   kPurge               releases what the previous stage left (after a swap freed its state)
+///   kDefault             a callback that states no order
+///   -- around the forward, outermost first --
+///   kBatchGrouping       groups batches into steps, splits them (micro-batches, batch weights)
+///   kPrecision           lower-precision forward and loss scaling (sees which batches step)
+///   kInnermostForward    replaces the model's forward with its own (checkpointing)
+///   -- late --
+///   kOutputRelease       first in after_*: swaps loss and prediction for detached tensors
+///   kProgress            logs, after every callback in before_*, first in after_*
+namespace order {
+inline constexpr int kTrace = -1000000;
+inline constexpr int kCheckpointWriter = -1000;
+inline constexpr int kModelRewrite = -100;
+inline constexpr int kOptimizerSwap = -20;
+inline constexpr int kPurge = -10;
+inline constexpr int kDefault = 0;
+inline constexpr int kBatchGrouping = 10;
+inline constexpr int kPrecision = 50;
+inline constexpr int kInnermostForward = 100;
+inline constexpr int kOutputRelease = 1000;
+inline constexpr int kProgress = 1100;
+}  // namespace order
+
+/// How a callback must stand to the others on the same Learner. Learner::add_callback checks
+/// the relations of every callback it holds (and the plugin loader those of the plugins it
+/// loads), with check_relations.
+struct CallbackRelations {
+  /// Callbacks (by name) that, when present, must have a larger order() than this one.
+  std::vector<std::string> runs_before;
+  /// Callbacks (by name) that must not be present together with this one.
+  std::vector<std::string> conflicts;
+  /// This callback wraps the forward and runs the model itself (it does not call next(x)):
+  /// every other forward wrapper must have a smaller order().
+  bool innermost_forward = false;
+};
+
 class Callback {
  public:
   virtual ~Callback();
 
   /// A short unique name, used in logs and errors ("amp", "grad_accum").
   virtual std::string name() const = 0;
-  /// Lower runs first in before_* events and last in after_* events. Default 0.
-  virtual int order() const { return 0; }
+  /// Lower runs first in before_* events and last in after_* events (see frugal::order).
+  /// Default order::kDefault.
+  virtual int order() const { return order::kDefault; }
+  /// Its ordering needs and conflicts. Default: none.
+  virtual CallbackRelations relations() const { return {}; }
 
   /// Whether this callback wraps the forward pass (see wrap_forward). Default false.
   virtual bool wraps_forward() const { return false; }
@@ -88,9 +137,29 @@ class Callback {
   /// Bytes of tensors this callback keeps alive between batches (histories, caches, saved
   /// outputs). Memory diagnostics name the callbacks that hold bytes. Default 0.
   virtual int64_t held_bytes() const { return 0; }
+  /// Runs when the Learner releases cached memory: OOM recovery, the micro-batch probe,
+  /// purge, destroy. Drop caches this callback (or a library it drives) keeps. Default: nothing.
+  virtual void release_caches(Learner&) {}
 
   /// Dispatches an event to its hook. Used by the Learner.
   void dispatch(Event e, Learner& l);
 };
+
+/// A callback as check_relations sees it: its name, order, whether it wraps the forward, and
+/// its relations.
+struct CallbackFacts {
+  std::string name;
+  int order = 0;
+  bool wraps_forward = false;
+  CallbackRelations relations;
+};
+/// The facts of a callback, from its name(), order(), wraps_forward() and relations().
+CallbackFacts facts_of(const Callback& cb);
+/// The first conflict among `cbs` (a callback that declares it cannot run with another one
+/// present), as a message naming both and the fix; "" when none.
+std::string conflict_violation(const std::vector<CallbackFacts>& cbs);
+/// The first violated relation among `cbs`: a conflict, a runs_before against the orders, an
+/// innermost forward wrapper with another wrapper at or above its order. "" when all hold.
+std::string relation_violation(const std::vector<CallbackFacts>& cbs);
 
 }  // namespace frugal

@@ -22,7 +22,7 @@ class CheckpointWriter : public Callback {
   std::string name() const override { return "checkpoint_writer"; }
   /// Lowest: runs last in after_* events, so the state it saves includes every other
   /// callback's work on the batch.
-  int order() const override { return -1000; }
+  int order() const override { return order::kCheckpointWriter; }
   void before_fit(Learner& l) override;
   /// Writes when `every_steps` optimizer steps passed since the last checkpoint and no
   /// gradients are pending (an accumulation group is closed): a checkpoint holds no

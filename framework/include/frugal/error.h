@@ -4,8 +4,10 @@
 ///
 /// The classes' key functions live in libfrugal, so their type_info belongs to the host:
 /// an error thrown by a plugin never pins the plugin's library (DESIGN.md, plugin ABI).
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace frugal {
 
@@ -69,9 +71,28 @@ class UsageError : public Error {
 /// micro-batch tried and the allocation refused.
 class OomError : public Error {
  public:
-  using Error::Error;
+  /// Where the fit ran out of memory.
+  enum class Phase {
+    Start,     ///< before the first batch: the budget is below what the learner already holds
+    Load,      ///< loading a training batch
+    Forward,   ///< a micro-batch's forward and loss (no gradient touched)
+    Backward,  ///< a micro-batch's backward (gradients may hold part of it)
+    Step,      ///< the optimizer step (parameters may be partly updated)
+    Event,     ///< a callback's hook, or validation
+    Probe,     ///< run.micro_batch = "auto": not even one sample fits
+  };
+  OomError(const std::string& what, Phase phase, int64_t iteration);
   ~OomError() override;
+  Phase phase() const { return phase_; }
+  /// The fit's training batch (Learner::iteration()) that ran out of memory.
+  int64_t iteration() const { return iteration_; }
+
+ private:
+  Phase phase_;
+  int64_t iteration_;
 };
+/// "start", "load", "forward", "backward", "step", "event", "probe".
+std::string_view to_string(OomError::Phase p);
 
 [[noreturn]] void throw_config_error(const std::string& msg);
 [[noreturn]] void throw_data_error(const std::string& msg);

@@ -14,51 +14,14 @@
 #include "frugal/callback.h"
 #include "frugal/config.h"
 #include "frugal/data.h"
+#include "frugal/fit_stats.h"
 #include "frugal/memory.h"
+#include "frugal/micro_batch.h"
 #include "frugal/registry.h"
 
 namespace frugal {
 
 using Stage = StageOptions;
-
-/// What a stage measured; the run report holds one per stage.
-struct StageStats {
-  std::string name;
-  int64_t peak_bytes = 0;
-  std::array<int64_t, 4> phase_peaks{};  ///< per Phase
-  MemoryBreakdown steady;                ///< measured on the stage's third step (or its last)
-  bool steady_measured = false;
-  std::vector<double> step_seconds;      ///< wall time of each training batch
-  int64_t samples = 0;
-  double train_seconds = 0;
-  double last_epoch_loss = 0;            ///< mean training loss of the stage's last epoch
-  double valid_accuracy = -1;            ///< after the stage's last epoch; -1 = not validated
-};
-
-/// What the loop does about memory (run.memory_budget, run.on_oom, run.oom_retries,
-/// run.micro_batch).
-struct OomPolicy {
-  /// Bytes installed as the meter's budget while fit() runs (0 = leave the meter's budget).
-  int64_t budget = 0;
-  /// On an out-of-memory error in forward or backward: retry the batch with half the
-  /// micro-batch (true), or stop with OomError (false).
-  bool retry = false;
-  /// Out-of-memory errors allowed on one batch before the fit stops with OomError.
-  int64_t max_retries = 4;
-  /// Before each stage, find_micro_batch(): the largest micro-batch that fits the budget.
-  bool auto_micro_batch = false;
-};
-
-/// Where a fit continues: the next batch to run. `epoch` may equal the stage's epochs (only
-/// after_stage is left) and `batch` the epoch's batch count (validation and after_epoch are
-/// left).
-struct FitPosition {
-  int64_t stage = 0, epoch = 0, batch = 0;
-  int64_t data_epoch = 0;  ///< the DataLoader epoch (its order's seed offset) of `epoch`
-  int64_t iteration = 0, steps = 0;
-  bool stop_epoch = false, stop_fit = false;  ///< flags set by the batch before the position
-  bool done = false;                          ///< the fit ended: nothing is left to run
-};
 
 class Learner {
  public:
@@ -70,7 +33,9 @@ class Learner {
   Learner& operator=(const Learner&) = delete;
 
   // ---- composition ----
-  /// Adds a callback; callbacks run in ascending order() (stable for equal orders).
+  /// Adds a callback; callbacks run in ascending order() (stable for equal orders). Throws
+  /// ConfigError, and leaves the callbacks as they were, when a relation (Callback::relations)
+  /// of the callbacks with the new one fails: a conflict, runs_before, innermost forward.
   void add_callback(std::shared_ptr<Callback> cb);
   /// Removes the callbacks named `name`; returns how many.
   size_t remove_callback(const std::string& name);
@@ -126,8 +91,8 @@ class Learner {
   /// Each runs before_forward .. after_backward; before_batch, the step and after_batch run
   /// once. Gradients equal the whole batch's: each micro-batch's mean loss is weighted by its
   /// share of the batch's samples (micro_weight()), so uneven splits stay exact.
-  void set_micro_batch_size(int64_t n);
-  int64_t micro_batch_size() const { return micro_batch_size_; }
+  void set_micro_batch_size(int64_t n) { micro_.set_size(n); }
+  int64_t micro_batch_size() const { return micro_.size(); }
   int64_t micro_index() const { return micro_index_; }  ///< within the batch
   int64_t micro_count() const { return micro_count_; }  ///< micro-batches in this batch
   /// The weight backward applies to this micro-batch's loss: its samples / the batch's.
@@ -141,25 +106,24 @@ class Learner {
   /// The budget, retry and auto micro-batch settings; see OomPolicy.
   ///
   /// A retry: the error is only noted in the catch block; after it the batch's x, pred and
-  /// loss are dropped, autocast's and the allocator's caches purged, and the micro-batch cap
-  /// halved. An error in forward (no gradient touched yet) resumes the batch at the failed
+  /// loss are dropped, caches released (release_caches()), and the micro-batch cap halved. An error in forward (no gradient touched yet) resumes the batch at the failed
   /// micro-batch's first sample; an error in backward (some gradients may hold part of it)
   /// drops the batch's gradients and restarts it at its first sample. Micro-batches are
   /// weighted by their samples, so the step's gradients are those of the whole batch either
   /// way. Callbacks see before_forward again without the after_* of the failed attempt, as
   /// after any exception; before_batch does not fire again and the batch's flags and weight
-  /// stay. A backward error while gradients of earlier batches are accumulated (grad_accum's
-  /// accumulate mode) cannot be undone and stops the fit with OomError.
+  /// stay. A backward error while gradients of earlier batches are accumulated (a callback
+  /// skipped their steps) cannot be undone and stops the fit with OomError.
   void set_oom_policy(const OomPolicy& p);
   const OomPolicy& oom_policy() const { return oom_; }
   /// The largest micro-batch the loop runs (0 = no cap), set by a retry or find_micro_batch().
   /// It caps set_micro_batch_size() (so grad_accum re-applying its split does not undo it).
-  void set_micro_batch_cap(int64_t n);
-  int64_t micro_batch_cap() const { return micro_cap_; }
+  void set_micro_batch_cap(int64_t n) { micro_.set_cap(n); }
+  int64_t micro_batch_cap() const { return micro_.cap(); }
   /// The micro-batch a batch of n samples runs in: min(n, micro_batch_size(), cap).
-  int64_t effective_micro_batch(int64_t n) const;
+  int64_t effective_micro_batch(int64_t n) const { return micro_.effective(n); }
   /// Out-of-memory errors caught in this fit.
-  int64_t oom_count() const { return oom_count_; }
+  int64_t oom_count() const { return micro_.oom_count(); }
   /// Finds the largest micro-batch whose forward and backward on the first training batch
   /// fit the meter's budget with room for the optimizer's step, and sets it as the cap.
   /// The probe leaves the run unchanged: no step, gradients as they were, BatchNorm buffers
@@ -196,7 +160,14 @@ class Learner {
 
   // ---- measurements ----
   MemoryMeter& memory() { return MemoryMeter::get(); }
-  const std::vector<StageStats>& stage_stats() const { return stage_stats_; }
+  /// The highest live bytes since the current stage's setup ended (after before_stage and the
+  /// micro-batch probe); 0 outside a fit.
+  int64_t stage_peak() const { return stage_window_.is_open() ? stage_window_.peak() : 0; }
+  /// The highest live bytes since the current phase began: the forward (opened before
+  /// before_forward, with the loss), the backward (before before_backward), the step (before
+  /// before_step) or validation (before before_validate); 0 outside a fit and validation.
+  int64_t phase_peak() const { return phase_window_.is_open() ? phase_window_.peak() : 0; }
+  const std::vector<StageStats>& stage_stats() const { return stats_.stages(); }
   /// Bytes of the training and validation datasets, which stay in (host) memory for the fit.
   int64_t data_bytes() const;
   /// Mean training loss of the batches since the epoch began (syncs the device).
@@ -251,6 +222,10 @@ class Learner {
   /// fastai's purge: drops the optimizer's state (unless clear_opt is false), sets gradients
   /// to none, drops cached batch, prediction and loss. Returns the live bytes released.
   int64_t purge(bool clear_opt = true);
+  /// Releases cached memory: every callback's release_caches hook, then the allocator's cache
+  /// (MemoryMeter::empty_cache). The loop calls it after an out-of-memory error, after each
+  /// probe of find_micro_batch, in purge and in destroy.
+  void release_caches();
   /// Releases everything that holds memory (model, optimizer, data, callbacks); the
   /// Learner is an empty shell afterwards and any use throws UsageError.
   void destroy();
@@ -258,28 +233,36 @@ class Learner {
 
  private:
   friend class ForwardNext;
+  struct PendingResume;
+
   Learner& live();
   const Learner& live() const;
   void fire(Event e);
   torch::Tensor forward_from(size_t index, const torch::Tensor& x);
+  void rebuild_forward_wrappers();
+  void check_fit(const std::vector<Stage>& stages) const;
+  size_t start_fit(const std::vector<Stage>& stages);
+  void run_stages(size_t first_stage);
   void run_stage(const Stage& s);
+  void setup_stage(const Stage& s);
   void run_epoch();
+  void start_epoch();
+  void run_batches(int64_t first);
   void train_batch(const Batch& b);
   void reset_batch_state();
-  void rebuild_forward_wrappers();
-  void note_phase_peak(Phase p, int64_t bytes);
+  BatchMemory run_micro_batches();
+  bool forward_backward(BatchMemory& mem, OomError::Phase& phase);
+  void run_step();
+  void measure_steady(const BatchMemory& mem, int64_t stage_batch);
+  void recover_from_oom(const OomEvent& e);
+  void note_phase_peak(Phase p, int64_t bytes) { stats_.note_phase_peak(p, bytes); }
   void complete_batch(const Batch& b, double seconds);
+  ProbeResult probe_micro_batch(const Batch& b, int64_t m);
   size_t prepare_resume();
   int64_t resume_epoch() const;
   int64_t apply_resume();
-  struct ProbeResult {
-    bool oom = false;
-    int64_t peak = 0;        // live bytes at the highest point of forward and backward
-    int64_t after_backward = 0;  // live bytes once backward is done (gradients held)
-  };
-  ProbeResult probe_micro_batch(const Batch& b, int64_t m);
-  void recover_from_oom(Phase phase, int64_t mbs, int64_t n, bool grads_at_start,
-                        int64_t failures, const std::string& message);
+  void load_callback_states(PendingResume& r);
+  void restore_loop_state(PendingResume& r);
 
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
@@ -297,7 +280,7 @@ class Learner {
   torch::Tensor loss_sum_;  // on the device: synced once per epoch or log interval
   int64_t loss_count_ = 0;
   double loss_scale_ = 1.0;
-  int64_t micro_batch_size_ = 0, micro_index_ = 0, micro_count_ = 1;
+  int64_t micro_index_ = 0, micro_count_ = 1;
   double micro_weight_ = 1.0, batch_weight_ = 1.0;
   bool skip_step_ = false, skip_batch_ = false, stop_epoch_ = false, stop_fit_ = false;
   int64_t stage_index_ = 0, epoch_ = 0, batch_index_ = 0, num_batches_ = 0;
@@ -305,28 +288,15 @@ class Learner {
   bool training_ = false;
   Event event_ = Event::BeforeFit;
   double valid_accuracy_ = -1;
-  std::vector<StageStats> stage_stats_;
+  FitStats stats_;
+  MemoryWindow stage_window_, phase_window_;  // open while a fit (or validate) runs
   int64_t max_steps_ = 0;
   int64_t global_epoch_ = 0;  // across stages: the data order of each epoch differs
-  struct Probe {
-    bool valid = false;
-    MemoryBreakdown breakdown;
-  } last_probe_;  // the last batch's breakdown, for stages shorter than three batches
   bool destroyed_ = false;
   FitPosition next_;  // the next batch to run, kept current by the loop
-  struct PendingResume;
   std::unique_ptr<PendingResume> resume_;  // set by load_checkpoint, consumed by fit
   OomPolicy oom_;
-  int64_t micro_cap_ = 0, oom_count_ = 0;
-  int64_t last_micro_batch_ = 0;  // the micro-batch the last training batch ran at
-  struct OomRetry {
-    int64_t iteration = 0;
-    Phase phase = Phase::Forward;
-    int64_t from = 0, to = 0;
-    bool restarted = false;  // backward: the batch restarted at its first sample
-  };
-  std::vector<OomRetry> oom_retries_;  // the first kMaxOomRecords, for the report
-  std::vector<std::pair<std::string, int64_t>> auto_micro_batches_;  // per stage
+  MicroBatching micro_;
 
  public:
   /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests.

@@ -8,7 +8,6 @@
 /// On CUDA it reads the caching allocator's statistics (allocated, reserved, peaks).
 #include <array>
 #include <cstdint>
-#include <map>
 #include <string>
 
 #include <nlohmann/json_fwd.hpp>
@@ -43,6 +42,37 @@ int64_t gradient_bytes(const torch::nn::Module& m);
 /// another optimizer's state counts as 0 here and shows under "other").
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 
+/// The highest live bytes over a region of the run: a forward, a stage, a check. A handle from
+/// MemoryMeter::open_window() holds one of the meter's window slots and gives it back when it
+/// is destroyed (or closed). Move-only; a default-constructed window is closed.
+///
+///   MemoryWindow w = MemoryMeter::get().open_window();
+///   ... work ...
+///   int64_t peak = w.peak();  // the highest live bytes since open (or the last reset)
+class MemoryWindow {
+ public:
+  MemoryWindow() = default;
+  ~MemoryWindow() { close(); }
+  MemoryWindow(MemoryWindow&& o) noexcept : slot_(o.slot_) { o.slot_ = -1; }
+  MemoryWindow& operator=(MemoryWindow&& o) noexcept;
+  MemoryWindow(const MemoryWindow&) = delete;
+  MemoryWindow& operator=(const MemoryWindow&) = delete;
+
+  bool is_open() const { return slot_ >= 0; }
+  /// The highest live bytes since the window opened or was last reset. Throws UsageError when
+  /// closed.
+  int64_t peak() const;
+  /// Starts the window over: its peak becomes the live bytes now.
+  void reset();
+  /// Gives the slot back; a closed window stays closed.
+  void close() noexcept;
+
+ private:
+  friend class MemoryMeter;
+  explicit MemoryWindow(int slot) : slot_(slot) {}
+  int slot_ = -1;
+};
+
 /// Process-wide meter (the allocator is process-wide). Thread-safe.
 class MemoryMeter {
  public:
@@ -65,19 +95,11 @@ class MemoryMeter {
   /// Allocation count since install (CPU) or the allocator's count (CUDA).
   int64_t allocations() const;
 
-  /// A window measures the peak over a region: open() sets its peak to current(), peak()
-  /// reads the highest live bytes since. Slot 0 is the Learner's stage window, slot 1 its
-  /// phase window; slots 2..7 are free for callbacks.
+  /// At most this many windows are open at once (the Learner's fit holds two).
   static constexpr int kWindows = 8;
-  void open_window(int slot);
-  int64_t window_peak(int slot) const;
-
-  /// Called by the Learner: peaks per phase and per stage, kept for the report.
-  void record_phase_peak(Phase p, int64_t bytes);
-  void record_stage_peak(const std::string& stage, int64_t bytes);
-  const std::array<int64_t, 4>& phase_peaks() const { return phase_peaks_; }
-  const std::map<std::string, int64_t>& stage_peaks() const { return stage_peaks_; }
-  void clear_records();
+  /// Opens a window (see MemoryWindow) whose peak starts at current(). Throws UsageError when
+  /// kWindows are open.
+  MemoryWindow open_window();
 
   /// Releases cached blocks the allocator holds (CUDA's empty_cache); no-op on CPU.
   void empty_cache();
@@ -94,10 +116,12 @@ class MemoryMeter {
   int64_t refused() const;
 
  private:
+  friend class MemoryWindow;
   MemoryMeter() = default;
+  void reset_window(int slot);
+  int64_t window_peak(int slot) const;
+  void close_window(int slot);
   torch::Device device_{torch::kCPU};
-  std::array<int64_t, 4> phase_peaks_{};
-  std::map<std::string, int64_t> stage_peaks_;
   int64_t budget_ = 0;
 };
 

@@ -19,7 +19,7 @@ class ProgressCallback : public Callback {
   ProgressCallback(Mode mode, int64_t log_every, std::shared_ptr<spdlog::logger> log);
 
   std::string name() const override { return "progress"; }
-  int order() const override { return 1000; }  // after every plugin in before_*, first in after_*
+  int order() const override { return order::kProgress; }  // after every plugin in before_*, first in after_*
   void before_stage(Learner& l) override;
   void before_epoch(Learner& l) override;
   void after_batch(Learner& l) override;

@@ -34,7 +34,7 @@ class TraceCallback : public Callback {
 
   std::string name() const override { return "trace"; }
   /// First in before_* events and last in after_* events: spans include the plugins' hooks.
-  int order() const override { return -1000000; }
+  int order() const override { return order::kTrace; }
 
   void before_fit(Learner& l) override;
   void before_batch(Learner& l) override;
@@ -60,7 +60,8 @@ class TraceCallback : public Callback {
   int64_t now_ns() const;
   void sample(int64_t t, int64_t step);
   void open(Kind k, int64_t step);
-  void close(Kind k);
+  /// Ends the span of kind k; a phase's span takes `phase_peak` (a batch's, its phases' highest).
+  void close(Kind k, int64_t phase_peak = 0);
 
   std::string path_;
   std::vector<Record> records_;

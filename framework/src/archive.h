@@ -1,0 +1,87 @@
+#pragma once
+// The checkpoint file format, for the Learner's save/load and save_checkpoint/load_checkpoint.
+//
+// A LibTorch archive (torch::serialize) with these records:
+//   frugal.format    int 1 (a file without it is not frugal's)
+//   model            the model's parameters and buffers
+//   optimizer        the optimizer's state; optimizer.name its name (save(with_opt) and
+//                    save_checkpoint)
+//   frugal.resume    save_checkpoint only: the resume record as JSON text (ResumeRecord)
+//   callbacks.<name> save_checkpoint only: each callback's save_state
+//   loss_sum         save_checkpoint mid-epoch: the epoch's running loss
+//   rng.cpu, rng.cuda  save_checkpoint only: the default generators' state
+// Every way a file can be unreadable, foreign or of another model is a CheckpointError naming it.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "frugal/fit_stats.h"
+#include "frugal/rng.h"
+
+namespace frugal::archive {
+
+inline constexpr int64_t kFormat = 1;
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+// ---- writing ----
+/// The format record: the first thing every frugal archive holds.
+void write_header(OutputArchive& a);
+void write_model(OutputArchive& a, const torch::nn::Module& model);
+void write_optimizer(OutputArchive& a, const torch::optim::Optimizer& opt, const std::string& name);
+void write_rng(OutputArchive& a, const RngState& rng);
+/// A callback's save_state, under "callbacks.<name>".
+void write_callback_state(OutputArchive& a, const std::string& name, OutputArchive& state);
+/// The epoch's running loss (saved mid-epoch only).
+void write_loss_sum(OutputArchive& a, const torch::Tensor& sum);
+/// Writes the archive straight to a temp file beside `path` (a checkpoint is never buffered
+/// whole in memory), fsyncs and renames it over `path`; creates the folder.
+void write_file(OutputArchive& a, const std::string& path);
+
+// ---- reading ----
+/// Opens a frugal archive onto `device`: missing, not a file, unreadable, foreign or of
+/// another format are CheckpointErrors.
+void open(const std::string& path, const torch::Device& device, InputArchive& a);
+/// Loads the "model" record into `model`; every shape is checked before anything changes.
+void load_model(torch::nn::Module& model, InputArchive& a, const std::string& path);
+/// Loads the "optimizer" record into `opt`, whose name is `name`. Throws CheckpointError naming
+/// `path` when the record is absent, holds another optimizer's state, or does not fit; `fix`
+/// ends the first two messages (what the caller can do).
+void load_optimizer(torch::optim::Optimizer& opt, const std::string& name, InputArchive& a,
+                    const std::string& path, const std::string& fix);
+/// A callback's saved state into `state`; false when the archive has none for `name`.
+bool read_callback_state(InputArchive& a, const std::string& name, InputArchive& state);
+/// The running loss into `sum`; false when none was saved.
+bool read_loss_sum(InputArchive& a, torch::Tensor& sum);
+/// The generators' state save_checkpoint stored (nullopt: none); CUDA's when `device` is CUDA.
+std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device);
+
+// ---- the resume record ----
+/// Where a saved fit stands and what it had measured.
+struct ResumeRecord {
+  FitPosition position;
+  std::vector<std::string> stages;     ///< the fit's stage names
+  std::vector<std::string> callbacks;  ///< the callbacks it ran with
+  std::string optimizer;               ///< the optimizer at the position
+  int64_t loss_count = 0;              ///< batches in the position epoch's running loss
+  double valid_accuracy = -1;
+  std::vector<StageStats> stats;
+  nlohmann::json info;  ///< stored as is (the CLI keeps the resolved config there)
+};
+nlohmann::json to_json(const ResumeRecord& r);
+void write_resume(OutputArchive& a, const ResumeRecord& r);
+/// The "frugal.resume" JSON, with every field a resume reads checked (a damaged record fails
+/// before any work).
+nlohmann::json read_resume_json(InputArchive& a, const std::string& path);
+/// The same, typed.
+ResumeRecord read_resume(InputArchive& a, const std::string& path);
+
+/// A stage's statistics as stored, and back (NaN, which JSON lacks, is stored as null).
+nlohmann::json stats_to_json(const StageStats& s);
+StageStats stats_from_json(const nlohmann::json& j);
+
+}  // namespace frugal::archive
