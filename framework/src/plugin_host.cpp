@@ -219,7 +219,8 @@ void to_json(nlohmann::json& j, const PluginDescription& d) {
        {"frugal_version", d.frugal_version},
        {"options", d.options},
        {"runs_before", d.relations.runs_before},
-       {"conflicts", d.relations.conflicts}};
+       {"conflicts", d.relations.conflicts},
+       {"innermost_forward", d.relations.innermost_forward}};
 }
 
 PluginHost::PluginHost(std::vector<std::string> extra) {
@@ -397,20 +398,16 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
     if (w.lib->api->relations)
       relations[w.name] = guarded("plugin '" + w.name + "': relations",
                                   [&] { return w.lib->api->relations(); });
-  auto on = [&](const std::string& n) {
-    return std::any_of(wanted.begin(), wanted.end(), [&](const Wanted& w) { return w.name == n; });
-  };
-  for (auto& [a, r] : relations)
-    for (auto& b : r.conflicts)
-      if (b != a && on(b))
-        fail("plugins '" + a + "' and '" + b + "' conflict: '" + a + "' declares that it cannot run "
-             "together with '" + b + "'; turn one off (enabled = false)");
+  std::vector<CallbackFacts> declared;
+  for (auto& w : wanted) declared.push_back({w.name, 0, false, relations[w.name]});
+  if (const std::string v = conflict_violation(declared); !v.empty()) fail(v);
 
   // 4. on_load (once per library), then the callbacks.
   struct Made {
     std::string name;
     std::shared_ptr<Callback> cb;
     int order;
+    CallbackFacts facts;
   };
   std::vector<Made> made;
   for (auto& w : wanted) {
@@ -427,25 +424,17 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
     if (!raw) fail(who + " failed to start: its factory returned null");
     // The deleter owns the library: the .so stays loaded while the callback lives.
     std::shared_ptr<Callback> cb(raw.release(), [keep = w.lib](Callback* c) { delete c; });
-    const int order = guarded(who + ": order()", [&] { return cb->order(); });
-    made.push_back({w.name, std::move(cb), order});
+    CallbackFacts facts = guarded(who + ": order() or relations()", [&] { return facts_of(*cb); });
+    facts.name = w.name;  // relations name plugins
+    for (auto& b : relations[w.name].runs_before) facts.relations.runs_before.push_back(b);
+    for (auto& b : relations[w.name].conflicts) facts.relations.conflicts.push_back(b);
+    made.push_back({w.name, std::move(cb), facts.order, std::move(facts)});
   }
 
-  // 5. Ordering needs: a runs_before b means order(a) < order(b).
-  auto order_of = [&](const std::string& n) -> const Made* {
-    for (auto& m : made)
-      if (m.name == n) return &m;
-    return nullptr;
-  };
-  for (auto& [a, r] : relations)
-    for (auto& b : r.runs_before) {
-      const Made* ma = order_of(a);
-      const Made* mb = order_of(b);
-      if (ma && mb && ma->order >= mb->order)
-        fail("plugin '" + a + "' must run before '" + b + "', but its order is " +
-             std::to_string(ma->order) + " and '" + b + "' has order " + std::to_string(mb->order) +
-             ": give '" + a + "' a smaller order than '" + b + "'");
-    }
+  // 5. The relations as the Learner checks them (Callback::relations with the declared ones).
+  std::vector<CallbackFacts> all;
+  for (auto& m : made) all.push_back(m.facts);
+  if (const std::string v = relation_violation(all); !v.empty()) fail(v);
 
   std::stable_sort(made.begin(), made.end(), [](const Made& x, const Made& y) { return x.order < y.order; });
   std::vector<std::shared_ptr<Callback>> out;

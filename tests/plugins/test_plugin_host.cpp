@@ -242,8 +242,9 @@ TEST(PluginHost, ConflictingPluginsAreRefusedBeforeAnyRuns) {
   EXPECT_EQ(error_of<PluginError>([&] {
               host.load(plugins_of("[plugins.fixture_faulty]\n[plugins.fixture_models]\n"), "cfg.toml");
             }),
-            "plugins 'fixture_faulty' and 'fixture_models' conflict: 'fixture_faulty' declares "
-            "that it cannot run together with 'fixture_models'; turn one off (enabled = false)");
+            "callbacks 'fixture_faulty' and 'fixture_models' conflict: 'fixture_faulty' declares "
+            "that it cannot run together with 'fixture_models'; turn one off (a plugin: enabled = "
+            "false)");
   EXPECT_FALSE(models().contains("fixture_mlp"));  // fixture_models' on_load never ran
 }
 
@@ -253,7 +254,7 @@ TEST(PluginHost, RunsBeforeIsCheckedAgainstTheOrders) {
   EXPECT_EQ(error_of<PluginError>([&] {
               host.load(plugins_of("[plugins.fixture_models]\n[plugins.fixture_counter]\n"), "cfg.toml");
             }),
-            "plugin 'fixture_models' must run before 'fixture_counter', but its order is 10 and "
+            "callback 'fixture_models' must run before 'fixture_counter', but its order is 10 and "
             "'fixture_counter' has order 0: give 'fixture_models' a smaller order than "
             "'fixture_counter'");
   PluginHost ok({kFixtures});

@@ -47,12 +47,12 @@ struct PluginContext {
   std::shared_ptr<spdlog::logger> logger;  ///< created by the host, named after the plugin
 };
 
-/// Ordering needs and conflicts a plugin declares (read by the loader before any work).
-/// A plugin's place in the order is its callbacks' order(); relations to others go here.
-struct PluginRelations {
-  std::vector<std::string> runs_before;  ///< these plugins, when on, must have a larger order()
-  std::vector<std::string> conflicts;    ///< these plugins must not be on together with it
-};
+/// Ordering needs and conflicts a plugin declares (CallbackRelations; names are plugin names).
+/// The loader reads them before any plugin code runs (conflicts) and checks them against the
+/// callbacks' order() once they exist; `frugal plugins` lists them. A plugin's callback returns
+/// the same from Callback::relations(), which the Learner checks when the callback is added:
+/// pass one function to both (see plugins/grad_accum).
+using PluginRelations = CallbackRelations;
 
 /// What the host asks of a plugin library. Exported by FRUGAL_PLUGIN with BOOST_DLL_ALIAS
 /// under the name "frugal_plugin"; every field is plain data or a plain function pointer.
