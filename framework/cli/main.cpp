@@ -126,7 +126,7 @@ int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
     // Out of memory in forward or backward leaves the model as before the failed batch: a
     // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
     // the parameters: no checkpoint then.
-    if (std::string(e.what()).find("in the optimizer step") == std::string::npos) {
+    if (e.phase() != frugal::OomError::Phase::Step) {
       const std::string path = frugal::checkpoint_path(cfg.run);
       try {
         learner->save_checkpoint(path, frugal::checkpoint_info(cfg));

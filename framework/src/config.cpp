@@ -60,7 +60,7 @@ void RunOptions::visit(FieldVisitor& v) {
           "retry: out-of-memory errors allowed on one batch before the run stops", at_least(1));
   v.field("micro_batch", micro_batch,
           "auto = before each stage, find the largest micro-batch that fits memory_budget; "
-          "off = whole batches (or grad_accum's split)",
+          "off = whole batches (or the micro-batches a plugin sets)",
           {"off", "auto"});
 }
 
