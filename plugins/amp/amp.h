@@ -161,9 +161,11 @@ class Amp : public frugal::Callback {
   Amp(const AmpOptions& o, const frugal::PluginContext& ctx)
       : o_(o), log_(ctx.logger), scaler_(o.scaler_options()) {}
   std::string name() const override { return "amp"; }
-  /// 50: after grad_accum (10), which decides which batches step; below checkpoint (100), so
-  /// autocast is on around the checkpointed forward.
-  int order() const override { return 50; }
+  /// After grad_accum (order::kBatchGrouping), which decides which batches step; below
+  /// checkpoint (order::kInnermostForward), so autocast is on around the checkpointed forward.
+  int order() const override { return frugal::order::kPrecision; }
+  /// Autocast's cast cache (weights cast to the lower precision) is the cache amp adds.
+  void release_caches(frugal::Learner&) override { frugal::compat::clear_autocast_cache(); }
   bool wraps_forward() const override { return true; }
 
   /// Resolves dtype and scaler for the run's device; float16 on cpu stops here.

@@ -59,9 +59,9 @@ class AutoPurge : public frugal::Callback {
         tolerance_(frugal::parse_bytes(o.tolerance, std::string(kWhere) + ".tolerance")),
         log_(ctx.logger) {}
   std::string name() const override { return "auto_purge"; }
-  /// -10: early in before_* (after optim_swap, -20, so a swapped optimizer is seen), late in
-  /// after_* (the fit-end purge runs after the other callbacks' after_fit).
-  int order() const override { return -10; }
+  /// Early in before_* (after optim_swap, order::kOptimizerSwap, so a swapped optimizer is
+  /// seen), late in after_* (the fit-end purge runs after the other callbacks' after_fit).
+  int order() const override { return frugal::order::kPurge; }
 
   void before_fit(frugal::Learner& l) override {
     changes_ = l.optimizer_changes();

@@ -34,25 +34,21 @@ struct CheckpointOptions : frugal::Options {
   }
 };
 
+frugal::CallbackRelations checkpoint_relations() { return {{}, {}, true}; }
+
 class Checkpoint : public frugal::Callback {
  public:
   Checkpoint(const CheckpointOptions& o, const frugal::PluginContext& ctx)
       : o_(o), log_(ctx.logger) {}
   std::string name() const override { return "checkpoint"; }
-  /// 100: the innermost forward wrapper. It runs the blocks itself instead of calling next(x),
-  /// so wrappers that must see the forward (autocast) need a smaller order.
-  int order() const override { return 100; }
+  /// The innermost forward wrapper: it runs the blocks itself instead of calling next(x), so
+  /// wrappers that must see the forward (autocast) need a smaller order (the Learner checks).
+  int order() const override { return frugal::order::kInnermostForward; }
   bool wraps_forward() const override { return true; }
+  frugal::CallbackRelations relations() const override { return checkpoint_relations(); }
 
-  /// Checks the options against the model's blocks and the other forward wrappers.
+  /// Checks the options against the model's blocks.
   void before_fit(frugal::Learner& l) override {
-    for (const auto& cb : l.callbacks())
-      if (cb.get() != this && cb->wraps_forward() && cb->order() >= order())
-        frugal::throw_config_error(
-            "checkpoint runs the model's blocks itself and must be the innermost forward "
-            "wrapper (order " + std::to_string(order()) + "), but '" + cb->name() +
-            "' also wraps the forward with order " + std::to_string(cb->order()) +
-            ": give it an order below " + std::to_string(order()));
     plan_ = make_plan(l.model());
     std::string desc;
     for (const auto& s : plan_)
@@ -84,5 +80,6 @@ class Checkpoint : public frugal::Callback {
 
 }  // namespace
 
-FRUGAL_PLUGIN(Checkpoint, CheckpointOptions, "checkpoint",
-              "activation checkpointing: recomputes segments of blocks in backward", "1.0.0")
+FRUGAL_PLUGIN_EX(Checkpoint, CheckpointOptions, "checkpoint",
+                 "activation checkpointing: recomputes segments of blocks in backward", "1.0.0",
+                 &checkpoint_relations, nullptr)

@@ -111,8 +111,9 @@ struct DetachLossOptions : frugal::Options {
   void check() const override { (void)parse_bytes(threshold, "plugins.detach_loss.threshold"); }
 };
 
-/// The callback. Order 1000: after_* events run in descending order, so its after_backward and
-/// after_batch run before every other callback's and they all see detached tensors.
+/// The callback. Order order::kOutputRelease: after_* events run in descending order, so its
+/// after_backward and after_batch run before every plugin's and they all see detached tensors
+/// (only the progress log, order::kProgress, runs earlier).
 class DetachLoss : public frugal::Callback {
  public:
   DetachLoss(const DetachLossOptions& o, const frugal::PluginContext& ctx)
@@ -121,7 +122,7 @@ class DetachLoss : public frugal::Callback {
         threshold_(parse_bytes(o.threshold, "plugins.detach_loss.threshold")),
         watch_(o.warmup, o.window, static_cast<double>(threshold_)) {}
   std::string name() const override { return "detach_loss"; }
-  int order() const override { return 1000; }
+  int order() const override { return frugal::order::kOutputRelease; }
 
   void before_fit(frugal::Learner&) override {
     watch_ = LeakWatch(o_.warmup, o_.window, static_cast<double>(threshold_));

@@ -29,13 +29,16 @@ struct GradAccumOptions : frugal::Options {
   }
 };
 
+frugal::CallbackRelations grad_accum_relations() { return {{"amp"}, {}, false}; }
+
 class GradAccum : public frugal::Callback {
  public:
   GradAccum(const GradAccumOptions& o, const frugal::PluginContext& ctx)
       : o_(o), split_(o.mode == "split"), log_(ctx.logger) {}
   std::string name() const override { return "grad_accum"; }
-  /// 10: before amp (50), whose loss scaler must see which batches step.
-  int order() const override { return 10; }
+  /// Before amp (order::kPrecision), whose loss scaler must see which batches step.
+  int order() const override { return frugal::order::kBatchGrouping; }
+  frugal::CallbackRelations relations() const override { return grad_accum_relations(); }
 
   /// split: the micro-batch size for the loader's batch size; remembers the one to restore.
   void before_fit(frugal::Learner& l) override {
@@ -105,11 +108,9 @@ class GradAccum : public frugal::Callback {
   int64_t saved_micro_ = 0, micro_ = 0, steps_before_ = 0, dropped_ = 0;
 };
 
-frugal::PluginRelations relations() { return {{"amp"}, {}}; }
-
 }  // namespace
 
 FRUGAL_PLUGIN_EX(GradAccum, GradAccumOptions, "grad_accum",
                  "gradient accumulation: a batch as several micro-batches, or several batches "
                  "per optimizer step",
-                 "1.0.0", &relations, nullptr)
+                 "1.0.0", &grad_accum_relations, nullptr)

@@ -168,9 +168,6 @@ struct Pass {
   int64_t peak = 0;   ///< live bytes the pass added at its peak (forward and backward)
 };
 
-/// The memory meter's window slot the check uses (2..7 are the callbacks').
-inline constexpr int kPeakWindow = 7;
-
 /// The first line of an error, without autograd's hint about Python's anomaly mode.
 inline std::string first_line(const std::string& s) {
   std::string line = s.substr(0, s.find('\n'));
@@ -191,13 +188,13 @@ inline Pass run_pass(torch::nn::Sequential& model, const LossFn& loss_fn, const 
   const auto version = input._version();
   MemoryMeter& mm = MemoryMeter::get();
   const int64_t start = mm.current();
-  mm.open_window(kPeakWindow);
+  MemoryWindow window = mm.open_window();
   try {
     model->train();
     torch::Tensor pred = model->forward(input);
     torch::Tensor loss = loss_fn(pred, y);
     loss.backward();
-    r.peak = mm.window_peak(kPeakWindow) - start;
+    r.peak = window.peak() - start;
     if (input._version() != version)
       r.error = "the model's input was overwritten in place";
     else
@@ -411,8 +408,8 @@ class InplaceAct : public frugal::Callback {
   InplaceAct(const InplaceActOptions& o, const frugal::PluginContext& ctx)
       : o_(o), log_(ctx.logger) {}
   std::string name() const override { return "inplace_act"; }
-  /// -100: its before_fit runs before the other plugins' (the model is final when they look).
-  int order() const override { return -100; }
+  /// Its before_fit runs before the other plugins' (the model is final when they look).
+  int order() const override { return frugal::order::kModelRewrite; }
 
   void before_fit(frugal::Learner& l) override {
     torch::Tensor x, y;

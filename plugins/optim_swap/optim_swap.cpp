@@ -67,6 +67,8 @@ struct OptimSwapOptions : frugal::Options {
   }
 };
 
+frugal::CallbackRelations optim_swap_relations() { return {{"auto_purge"}, {}, false}; }
+
 class OptimSwap : public frugal::Callback {
  public:
   OptimSwap(const OptimSwapOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {
@@ -74,9 +76,10 @@ class OptimSwap : public frugal::Callback {
       threshold_ = frugal::parse_bytes(o_.when_bytes_over, std::string(kWhere) + ".when_bytes_over");
   }
   std::string name() const override { return "optim_swap"; }
-  /// -20: swaps first in before_* events, so auto_purge (-10) and everything else already see
-  /// the new optimizer.
-  int order() const override { return -20; }
+  /// Swaps first in before_* events, so auto_purge (order::kPurge) and everything else already
+  /// see the new optimizer.
+  int order() const override { return frugal::order::kOptimizerSwap; }
+  frugal::CallbackRelations relations() const override { return optim_swap_relations(); }
 
   /// Checks at_stage against the fit's stages before any work.
   void before_fit(frugal::Learner& l) override {
@@ -111,11 +114,11 @@ class OptimSwap : public frugal::Callback {
     if (os::fit_epoch(l.stages(), l.stage_index(), l.epoch()) >= o_.at_epoch)
       swap(l, std::to_string(o_.at_epoch) + " epochs done", true);
   }
-  /// The stage's peak so far (the Learner's stage window) also covers the batch that just
+  /// The stage's peak so far (Learner::stage_peak) also covers the batch that just
   /// ran: a threshold passed in a forward swaps before the next batch.
   void before_batch(frugal::Learner& l) override {
     if (swapped_ || threshold_ <= 0) return;
-    const int64_t peak = std::max(seen_peak_, l.memory().window_peak(0));
+    const int64_t peak = std::max(seen_peak_, l.stage_peak());
     if (peak > threshold_)
       swap(l, "live memory reached " + frugal::format_bytes(peak) + " (over " +
                   frugal::format_bytes(threshold_) + ")",
@@ -123,7 +126,7 @@ class OptimSwap : public frugal::Callback {
   }
   /// A stage's last batch may pass the threshold; the next stage reopens the window.
   void after_batch(frugal::Learner& l) override {
-    if (!swapped_ && threshold_ > 0) seen_peak_ = std::max(seen_peak_, l.memory().window_peak(0));
+    if (!swapped_ && threshold_ > 0) seen_peak_ = std::max(seen_peak_, l.stage_peak());
   }
 
   void save_state(torch::serialize::OutputArchive& out) const override {
@@ -172,11 +175,9 @@ class OptimSwap : public frugal::Callback {
   bool swapped_ = false;
 };
 
-frugal::PluginRelations relations() { return {{"auto_purge"}, {}}; }
-
 }  // namespace
 
 FRUGAL_PLUGIN_EX(OptimSwap, OptimSwapOptions, "optim_swap",
                  "replaces the optimizer at a stage, an epoch or a memory threshold (e.g. "
                  "Adam -> SGD), freeing the old one's state",
-                 "1.0.0", &relations, nullptr)
+                 "1.0.0", &optim_swap_relations, nullptr)

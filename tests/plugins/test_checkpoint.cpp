@@ -160,18 +160,17 @@ TEST(CheckpointGradients, RecomputeDoesNotMoveBatchNormStatisticsTwice) {
     EXPECT_TRUE(torch::equal(b_plain[i], b_ckpt[i])) << "buffer " << i;
 }
 
-/// Bytes the forward adds at its peak (window slot 2, the output kept alive), and the peak of the
-/// whole forward + backward (slot 3).
+/// Bytes the forward adds at its peak (the output kept alive), and the peak of the whole
+/// forward + backward.
 std::pair<int64_t, int64_t> peaks(torch::nn::Sequential& m, const std::vector<ck::Segment>& plan,
                                   const torch::Tensor& x) {
   MemoryMeter& mm = MemoryMeter::get();
   const int64_t before = mm.current();
-  mm.open_window(2);
-  mm.open_window(3);
+  MemoryWindow forward_window = mm.open_window(), step_window = mm.open_window();
   torch::Tensor out = plan.empty() ? m->forward(x) : ck::checkpointed_forward(m, plan, x);
-  const int64_t forward = mm.window_peak(2) - before;
+  const int64_t forward = forward_window.peak() - before;
   out.sum().backward();
-  const int64_t step = mm.window_peak(3) - before;
+  const int64_t step = step_window.peak() - before;
   return {forward, step};
 }
 

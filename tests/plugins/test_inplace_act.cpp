@@ -208,14 +208,14 @@ TEST(InplaceActCheck, UnsafeModulesInCustomForwardsAreRevertedEachWithItsReason)
 
 // ---- memory: where in place saves and where it does not ------------------------------------
 
-/// Bytes the forward adds at its peak over the live bytes before it (window slot 2).
+/// Bytes the forward adds at its peak over the live bytes before it.
 int64_t forward_bytes(torch::nn::Sequential& m, const torch::Tensor& x) {
   MemoryMeter& mm = MemoryMeter::get();
   m->train();
   const int64_t before = mm.current();
-  mm.open_window(2);
+  MemoryWindow window = mm.open_window();
   torch::Tensor out = m->forward(x);
-  const int64_t peak = mm.window_peak(2) - before;
+  const int64_t peak = window.peak() - before;
   out.sum().backward();
   for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
   return peak;

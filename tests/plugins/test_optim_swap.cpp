@@ -183,7 +183,7 @@ TEST(OptimSwap, WhenBytesOverSwapsBeforeTheBatchAfterTheThresholdWasPassed) {
   // A run without the plugin gives the stage's peak before the first batch and after it.
   struct PeakProbe : Callback {
     std::string name() const override { return "peak_probe"; }
-    void before_batch(Learner& l) override { peaks.push_back(l.memory().window_peak(0)); }
+    void before_batch(Learner& l) override { peaks.push_back(l.stage_peak()); }
     std::vector<int64_t> peaks;
   };
   int64_t threshold = 0;
