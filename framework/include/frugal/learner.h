@@ -117,7 +117,7 @@ class Learner {
   void set_oom_policy(const OomPolicy& p);
   const OomPolicy& oom_policy() const { return oom_; }
   /// The largest micro-batch the loop runs (0 = no cap), set by a retry or find_micro_batch().
-  /// It caps set_micro_batch_size() (so grad_accum re-applying its split does not undo it).
+  /// It caps set_micro_batch_size() (so a callback re-applying its split does not undo it).
   void set_micro_batch_cap(int64_t n) { micro_.set_cap(n); }
   int64_t micro_batch_cap() const { return micro_.cap(); }
   /// The micro-batch a batch of n samples runs in: min(n, micro_batch_size(), cap).

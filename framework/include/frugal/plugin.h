@@ -51,7 +51,7 @@ struct PluginContext {
 /// The loader reads them before any plugin code runs (conflicts) and checks them against the
 /// callbacks' order() once they exist; `frugal plugins` lists them. A plugin's callback returns
 /// the same from Callback::relations(), which the Learner checks when the callback is added:
-/// pass one function to both (see plugins/grad_accum).
+/// pass one function to both, as the in-tree plugins do.
 using PluginRelations = CallbackRelations;
 
 /// What the host asks of a plugin library. Exported by FRUGAL_PLUGIN with BOOST_DLL_ALIAS
