@@ -92,10 +92,11 @@ void Learner::clear_callbacks() {
 void Learner::fire(Event e) {
   event_ = e;
   const bool reverse = is_after(e);
+  const std::string_view where = to_string(e);
   const size_t n = callbacks_.size();
   for (size_t k = 0; k < n && k < callbacks_.size(); ++k) {
     Callback& cb = *callbacks_[reverse ? callbacks_.size() - 1 - k : k];
-    call_guarded(cb, to_string(e), [&] { cb.dispatch(e, *this); });
+    call_guarded(cb, where, [&] { cb.dispatch(e, *this); });
   }
 }
 
