@@ -842,39 +842,6 @@ struct RunState {
   }
 };
 
-// Bytes the first optimizer step adds that a forward and backward probe does not see: the
-// optimizer's state still to be created, and the step's temporaries (for the largest
-// parameter: Adam's sqrt and division, a weight-decayed copy of the gradient). From
-// LibTorch's optimizer implementations; an estimate for the others.
-struct StepNeeds {
-  int64_t state = 0, temporaries = 0;
-};
-StepNeeds step_needs(const torch::nn::Module& m, const torch::optim::Optimizer& opt,
-                     const OptimizerOptions& o) {
-  int64_t trainable = 0, largest = 0;
-  for (const auto& p : m.parameters()) {
-    if (!p.requires_grad()) continue;
-    trainable += static_cast<int64_t>(p.nbytes());
-    largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
-  }
-  int64_t state = 0, temps = 0;
-  const bool decay = o.weight_decay > 0;
-  if (o.name == "adam" || o.name == "adamw") {
-    state = 2 * trainable;
-    temps = 2 + (decay && o.name == "adam" ? 1 : 0);
-  } else if (o.name == "sgd") {
-    state = o.momentum > 0 ? trainable : 0;
-    temps = decay ? 1 : 0;
-  } else if (o.name == "rmsprop") {
-    state = trainable * (o.momentum > 0 ? 2 : 1);
-    temps = 1 + (decay ? 1 : 0);
-  } else {  // adagrad (its state exists from construction) and others
-    state = trainable;
-    temps = 1 + (decay ? 1 : 0);
-  }
-  return {std::max<int64_t>(0, state - optimizer_state_bytes(opt)), temps * largest};
-}
-
 }  // namespace
 
 Learner::ProbeResult Learner::probe_micro_batch(const Batch& b, int64_t m) {
@@ -925,7 +892,7 @@ int64_t Learner::find_micro_batch() {
   const bool was_training = training_, module_training = model_->is_training();
   training_ = true;
   model_->train();
-  const StepNeeds needs = step_needs(*model_, *optimizer_, optimizer_options_);
+  const StepNeeds needs = optimizer_step_needs(*model_, *optimizer_, optimizer_options_);
   // Slack for the loop's own scalars (the logged loss and its sums: a few bytes).
   constexpr int64_t kSlack = 256;
   std::map<int64_t, bool> tried;

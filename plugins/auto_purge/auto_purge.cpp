@@ -19,16 +19,14 @@ namespace {
 namespace ap = frugal::auto_purge;
 namespace fs = std::filesystem;
 
-constexpr const char* kWhere = "plugins.auto_purge";
-
 struct AutoPurgeOptions : frugal::Options {
   bool clear_opt = true;         ///< default true (fastai)
   bool after_fit = true;         ///< default true
   bool defrag = false;           ///< default false
   std::string defrag_dir;        ///< default "": the system's temp folder
   bool check_contract = true;    ///< key "check"; default true
-  std::string keep = "0";        ///< default "0"
-  std::string tolerance = "1MiB";  ///< default "1MiB"
+  frugal::ByteSize keep;         ///< default 0
+  frugal::ByteSize tolerance{1 << 20};  ///< default "1MiB"
 
   void visit(frugal::FieldVisitor& v) override {
     v.field("clear_opt", clear_opt,
@@ -39,15 +37,16 @@ struct AutoPurgeOptions : frugal::Options {
             "after purging, save the model to a temp file and load it back: fresh, packed "
             "allocations for the parameters (fastai v1's purge)");
     v.field("defrag_dir", defrag_dir, "folder for defrag's temp file; \"\" = the system's temp folder");
+    // The check only reports: its keys do not change what the run computes.
     v.field("check", check_contract,
-            "check that live memory after the purge is at most parameters + data + keep + "
-            "tolerance, and warn with what holds the rest");
-    v.field("keep", keep, "bytes the check allows on top of parameters and data (\"64MiB\")");
-    v.field("tolerance", tolerance, "bytes over the baseline the check ignores (\"1MiB\")");
-  }
-  void check() const override {
-    frugal::parse_bytes(keep, std::string(kWhere) + ".keep");
-    frugal::parse_bytes(tolerance, std::string(kWhere) + ".tolerance");
+            frugal::outside_training("check that live memory after the purge is at most "
+                                     "parameters + data + keep + tolerance, and warn with what "
+                                     "holds the rest"));
+    v.field("keep", keep,
+            frugal::outside_training("bytes the check allows on top of parameters and data "
+                                     "(\"64MiB\")"));
+    v.field("tolerance", tolerance,
+            frugal::outside_training("bytes over the baseline the check ignores (\"1MiB\")"));
   }
 };
 
@@ -55,8 +54,8 @@ class AutoPurge : public frugal::Callback {
  public:
   AutoPurge(const AutoPurgeOptions& o, const frugal::PluginContext& ctx)
       : o_(o),
-        keep_(frugal::parse_bytes(o.keep, std::string(kWhere) + ".keep")),
-        tolerance_(frugal::parse_bytes(o.tolerance, std::string(kWhere) + ".tolerance")),
+        keep_(o.keep.bytes),
+        tolerance_(o.tolerance.bytes),
         log_(ctx.logger) {}
   std::string name() const override { return "auto_purge"; }
   /// -10: early in before_* (after optim_swap, -20, so a swapped optimizer is seen), late in

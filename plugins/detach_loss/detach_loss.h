@@ -93,22 +93,29 @@ struct DetachLossOptions : frugal::Options {
   bool watch = true;
   int64_t warmup = 2;
   int64_t window = 8;
-  std::string threshold = "1KiB";
+  frugal::ByteSize threshold{1024};  ///< default "1KiB"
   int64_t max_warnings = 3;
   void visit(frugal::FieldVisitor& v) override {
     v.field("detach", detach,
             "replace the loss and prediction by detached tensors after backward and at the end "
             "of each batch");
-    v.field("watch", watch, "watch the live bytes at the end of each batch for steady growth");
-    v.field("warmup", warmup, "batches of each stage not watched (caches, optimizer state)",
+    // The watch only reports: its keys do not change what the run computes.
+    v.field("watch", watch,
+            frugal::outside_training("watch the live bytes at the end of each batch for steady "
+                                     "growth"));
+    v.field("warmup", warmup,
+            frugal::outside_training("batches of each stage not watched (caches, optimizer "
+                                     "state)"),
             frugal::at_least(0));
-    v.field("window", window, "batches per watched window", frugal::at_least(2));
+    v.field("window", window, frugal::outside_training("batches per watched window"),
+            frugal::at_least(2));
     v.field("threshold", threshold,
-            "growth per batch over a window that is reported as a leak (\"1KiB\", \"512\")");
-    v.field("max_warnings", max_warnings, "leak warnings per fit; a summary comes at the end",
+            frugal::outside_training("growth per batch over a window that is reported as a "
+                                     "leak (\"1KiB\", \"512\")"));
+    v.field("max_warnings", max_warnings,
+            frugal::outside_training("leak warnings per fit; a summary comes at the end"),
             frugal::at_least(0));
   }
-  void check() const override { (void)parse_bytes(threshold, "plugins.detach_loss.threshold"); }
 };
 
 /// The callback. Order 1000: after_* events run in descending order, so its after_backward and
@@ -118,7 +125,7 @@ class DetachLoss : public frugal::Callback {
   DetachLoss(const DetachLossOptions& o, const frugal::PluginContext& ctx)
       : o_(o),
         log_(ctx.logger),
-        threshold_(parse_bytes(o.threshold, "plugins.detach_loss.threshold")),
+        threshold_(o.threshold.bytes),
         watch_(o.warmup, o.window, static_cast<double>(threshold_)) {}
   std::string name() const override { return "detach_loss"; }
   int order() const override { return 1000; }

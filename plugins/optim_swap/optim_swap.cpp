@@ -19,7 +19,7 @@ std::string key(const char* k) { return std::string("'") + kWhere + "." + k + "'
 struct OptimSwapOptions : frugal::Options {
   std::string at_stage;         ///< default "": off
   int64_t at_epoch = 0;         ///< default 0: off
-  std::string when_bytes_over;  ///< default "": off
+  frugal::ByteSize when_bytes_over;  ///< default 0: off
   frugal::OptimizerOptions to;  ///< default sgd, lr 0.01
   bool seed_momentum = false;   ///< default false
 
@@ -48,7 +48,7 @@ struct OptimSwapOptions : frugal::Options {
     std::vector<std::string> set;
     if (!at_stage.empty()) set.push_back(key("at_stage"));
     if (at_epoch > 0) set.push_back(key("at_epoch"));
-    if (!when_bytes_over.empty()) set.push_back(key("when_bytes_over"));
+    if (when_bytes_over.bytes > 0) set.push_back(key("when_bytes_over"));
     if (set.size() != 1) {
       std::string got;
       for (const auto& s : set) got += (got.empty() ? "" : " and ") + s;
@@ -57,22 +57,19 @@ struct OptimSwapOptions : frugal::Options {
           key("at_epoch") + " (epochs >= 1) or " + key("when_bytes_over") + " (a size); " +
           (set.empty() ? "none is set" : got + " are set"));
     }
-    if (!when_bytes_over.empty())
-      frugal::parse_bytes(when_bytes_over, std::string(kWhere) + ".when_bytes_over");
-    if (seed_momentum && (to.name != "sgd" || to.momentum <= 0))
+    const double momentum = to.name == "sgd" ? to.get<double>("momentum") : 0.0;
+    if (seed_momentum && (to.name != "sgd" || momentum <= 0))
       frugal::throw_config_error(
           key("seed_momentum") + " seeds SGD's momentum buffers, so it needs " + key("to.name") +
           " = \"sgd\" and " + key("to.momentum") + " > 0; got name = \"" + to.name +
-          "\", momentum = " + std::to_string(to.momentum));
+          "\", momentum = " + std::to_string(momentum));
   }
 };
 
 class OptimSwap : public frugal::Callback {
  public:
-  OptimSwap(const OptimSwapOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {
-    if (!o_.when_bytes_over.empty())
-      threshold_ = frugal::parse_bytes(o_.when_bytes_over, std::string(kWhere) + ".when_bytes_over");
-  }
+  OptimSwap(const OptimSwapOptions& o, const frugal::PluginContext& ctx)
+      : o_(o), log_(ctx.logger), threshold_(o.when_bytes_over.bytes) {}
   std::string name() const override { return "optim_swap"; }
   /// -20: swaps first in before_* events, so auto_purge (-10) and everything else already see
   /// the new optimizer.

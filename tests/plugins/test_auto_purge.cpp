@@ -237,7 +237,7 @@ TEST(AutoPurge, BadSizesNameTheKey) {
     host.load(plugins_of("[plugins.auto_purge]\nkeep = \"lots\"\n"), "cfg.toml");
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
-    EXPECT_TRUE(Has(e.what(), "cfg.toml:1:1: 'plugins.auto_purge.keep' must be a size such as"));
+    EXPECT_TRUE(Has(e.what(), "cfg.toml:2:8: 'plugins.auto_purge.keep' must be a size such as"));
   }
 }
 

@@ -9,6 +9,7 @@
 #include "frugal/event.h"
 #include "frugal/learner.h"
 #include "frugal/memory.h"
+#include "frugal/optimizers.h"
 #include "frugal/options.h"
 #include "frugal/progress.h"
 #include "frugal/registry.h"

@@ -15,6 +15,7 @@
 #include "frugal/config.h"
 #include "frugal/data.h"
 #include "frugal/memory.h"
+#include "frugal/optimizers.h"
 #include "frugal/registry.h"
 
 namespace frugal {
