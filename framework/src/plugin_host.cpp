@@ -19,6 +19,7 @@
 #include "frugal/error.h"
 #include "frugal/registry.h"
 #include "frugal/version.h"
+#include "frugal_build_paths.h"  // generated: FRUGAL_PLUGIN_BUILD_DIR, FRUGAL_PLUGIN_INSTALL_DIR
 
 namespace fs = std::filesystem;
 
