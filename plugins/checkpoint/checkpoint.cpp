@@ -134,7 +134,6 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     auto state = c10::static_intrusive_pointer_cast<SegmentState>(
         ctx->saved_data["state"].toCapsule());
     const torch::Tensor input = ctx->get_saved_variables().at(0);
-    const size_t n = state->params.size();
     torch::Tensor x = input.detach();
     x.requires_grad_(ctx->needs_input_grad(0));
 
@@ -173,6 +172,17 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       out = run_blocks(state->blocks, x);
     }
 
+    return gradients(ctx, out, x, *state, grad_out.at(0));
+  }
+
+ private:
+  /// The gradients of the recomputed `out` for the input `x` and the parameters autograd asks
+  /// for, in the Function's input order: input, params..., state.
+  static torch::autograd::variable_list gradients(torch::autograd::AutogradContext* ctx,
+                                                  const torch::Tensor& out, const torch::Tensor& x,
+                                                  const SegmentState& state,
+                                                  const torch::Tensor& grad_out) {
+    const size_t n = state.params.size();
     std::vector<torch::Tensor> wrt;
     std::vector<size_t> slot;  // where each gradient goes in the result
     if (ctx->needs_input_grad(0)) {
@@ -181,12 +191,12 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     }
     for (size_t i = 0; i < n; ++i)
       if (ctx->needs_input_grad(i + 1)) {
-        wrt.push_back(state->params[i]);
+        wrt.push_back(state.params[i]);
         slot.push_back(i + 1);
       }
     torch::autograd::variable_list grads(n + 2);  // input, params..., state
     if (!wrt.empty() && out.requires_grad()) {
-      auto g = torch::autograd::grad({out}, wrt, {grad_out.at(0)}, /*retain_graph=*/false,
+      auto g = torch::autograd::grad({out}, wrt, {grad_out}, /*retain_graph=*/false,
                                      /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t k = 0; k < g.size(); ++k) grads[slot[k]] = g[k];
     }

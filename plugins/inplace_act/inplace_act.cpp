@@ -224,45 +224,35 @@ Difference difference(const Pass& ref, const Pass& got,
 
 // ---- the decision -------------------------------------------------------------------------
 
-Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::Tensor& x,
-              const torch::Tensor& y, const torch::Device& device, const Settings& s) {
-  Outcome out;
-  std::vector<Site> candidates;
-  for (auto& site : find_sites(model.ptr())) {
-    std::string why;
-    const bool excluded = std::any_of(s.exclude.begin(), s.exclude.end(), [&](const std::string& e) {
-      return site.name == e || site.name.rfind(e + ".", 0) == 0;
-    });
-    if (site.was_inplace)
-      why = "already in place";
-    else if (excluded)
-      why = "excluded by the exclude option";
-    else if (site.place == Place::ModelInput)
-      why = "its input is the model's input (the batch)";
-    else if (site.place == Place::Opaque && !s.custom_modules)
-      why = "inside a custom module (custom_modules = false)";
-    else if (site.place == Place::Opaque && !s.verify)
-      why = "inside a custom module, whose forward only the check can judge (verify = false)";
-    else if (is_dropout(site.type) && !s.dropout)
-      why = "dropout (dropout = false)";
-    else if (is_dropout(site.type) && !device.is_cpu())
-      why = "dropout on " + device.str() +
-            ": the out-of-place kernel keeps a 1-byte mask, the in-place one a full-width one";
-    if (why.empty())
-      candidates.push_back(site);
-    else
-      out.skipped.emplace_back(site, why);
-  }
-  if (candidates.empty()) return out;
-  auto set = [](const std::vector<Site>& sites, bool on) {
-    for (const auto& c : sites) *c.flag = on;
-  };
-  if (!s.verify) {
-    set(candidates, true);
-    out.changed = candidates;
-    return out;
-  }
+namespace {
 
+/// Why `site` is not tried under `s` on `device` ("" when it is a candidate).
+std::string why_not_tried(const Site& site, const Settings& s, const torch::Device& device) {
+  const bool excluded = std::any_of(s.exclude.begin(), s.exclude.end(), [&](const std::string& e) {
+    return site.name == e || site.name.rfind(e + ".", 0) == 0;
+  });
+  if (site.was_inplace) return "already in place";
+  if (excluded) return "excluded by the exclude option";
+  if (site.place == Place::ModelInput) return "its input is the model's input (the batch)";
+  if (site.place == Place::Opaque && !s.custom_modules)
+    return "inside a custom module (custom_modules = false)";
+  if (site.place == Place::Opaque && !s.verify)
+    return "inside a custom module, whose forward only the check can judge (verify = false)";
+  if (is_dropout(site.type) && !s.dropout) return "dropout (dropout = false)";
+  if (is_dropout(site.type) && !device.is_cpu())
+    return "dropout on " + device.str() +
+           ": the out-of-place kernel keeps a 1-byte mask, the in-place one a full-width one";
+  return "";
+}
+
+void set_inplace(const std::vector<Site>& sites, bool on) {
+  for (const auto& c : sites) *c.flag = on;
+}
+
+/// apply's check: the candidates together, else one at a time in forward order.
+void verify(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::Tensor& x,
+            const torch::Tensor& y, const torch::Device& device, const Settings& s,
+            const std::vector<Site>& candidates, Outcome& out) {
   std::vector<std::string> names;
   for (const auto& np : model->named_parameters()) names.push_back(np.key());
   Snapshot snap(*model, device);
@@ -272,7 +262,7 @@ Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::
     // Not the plugin's to fail the fit for: the first training batch will say what is wrong.
     out.check_error = ref.error;
     for (auto& c : candidates) out.skipped.emplace_back(c, "the check could not run");
-    return out;
+    return;
   }
   // A set is accepted when it is exact and its pass peaks no higher than the best accepted one:
   // in place on a view (after Flatten) makes autograd copy the base in backward (CopySlices).
@@ -293,14 +283,14 @@ Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::
     return "";
   };
 
-  set(candidates, true);
+  set_inplace(candidates, true);
   ++out.passes;
   if (verdict(run_pass(model, loss_fn, x, y, snap)).empty()) {
     out.changed = candidates;
-    return out;
+    return;
   }
   // Some site breaks it: add them one at a time, in forward order, keeping those that pass.
-  set(candidates, false);
+  set_inplace(candidates, false);
   for (const auto& c : candidates) {
     *c.flag = true;
     ++out.passes;
@@ -312,6 +302,28 @@ Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::
       out.reverted.emplace_back(c, why);
     }
   }
+}
+
+}  // namespace
+
+Outcome apply(torch::nn::Sequential& model, const LossFn& loss_fn, const torch::Tensor& x,
+              const torch::Tensor& y, const torch::Device& device, const Settings& s) {
+  Outcome out;
+  std::vector<Site> candidates;
+  for (auto& site : find_sites(model.ptr())) {
+    const std::string why = why_not_tried(site, s, device);
+    if (why.empty())
+      candidates.push_back(site);
+    else
+      out.skipped.emplace_back(site, why);
+  }
+  if (candidates.empty()) return out;
+  if (!s.verify) {
+    set_inplace(candidates, true);
+    out.changed = candidates;
+    return out;
+  }
+  verify(model, loss_fn, x, y, device, s, candidates, out);
   return out;
 }
 
