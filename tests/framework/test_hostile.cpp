@@ -17,7 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // The repository, from this file's path (CMake compiles it by its absolute path).
-fs::path source_root() { return fs::path(__FILE__).parent_path().parent_path().parent_path(); }
+// From the build (not __FILE__: ccache's base_dir makes that relative to the build folder).
+fs::path source_root() { return FRUGAL_TEST_SOURCE_DIR; }
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
