@@ -21,6 +21,7 @@
 #include "frugal/registry.h"
 #include "frugal/run.h"
 #include "frugal/version.h"
+#include "frugal_build_paths.h"  // generated: FRUGAL_PLUGIN_BUILD_DIR, FRUGAL_PLUGIN_INSTALL_DIR
 
 namespace fs = std::filesystem;
 

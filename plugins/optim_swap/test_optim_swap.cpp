@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "../../plugins/optim_swap/optim_swap.h"
+#include "optim_swap.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 #include "log_capture.h"

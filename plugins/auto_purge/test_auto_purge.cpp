@@ -4,7 +4,7 @@
 // defrag, the fit-end purge and a swapped optimizer.
 #include <gtest/gtest.h>
 
-#include "../../plugins/auto_purge/auto_purge.h"
+#include "auto_purge.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
