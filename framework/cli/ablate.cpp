@@ -302,8 +302,8 @@ std::string explain(const Row& r, const Row& base) {
   return os.str();
 }
 
-std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots) {
-  std::ostringstream md;
+/// The title, command, machine and protocol.
+void report_header(std::ostream& md, const json& meta) {
   const json& m = meta["machine"];
   md << "# Ablation of `" << meta["config"].get<std::string>() << "`\n\n";
   md << "Command: `" << meta["command"].get<std::string>() << "`  \n";
@@ -321,13 +321,10 @@ std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots
   md << "Baseline plugins: " << join_on(meta["baseline_plugins"].get<std::vector<std::string>>(), ", ")
      << ". Techniques varied: " << join_on(meta["techniques"].get<std::vector<std::string>>(), ", ")
      << ".\n\n";
+}
 
-  std::vector<const Row*> order;
-  for (const auto& r : rows) order.push_back(&r);
-  std::stable_sort(order.begin(), order.end(), [](const Row* a, const Row* b) {
-    if (a->ok != b->ok) return a->ok;
-    return a->ok && a->peak < b->peak;
-  });
+/// One row per run, by peak live memory (failed runs last), with the Pareto marks.
+void runs_table(std::ostream& md, const std::vector<const Row*>& order) {
   md << "| run | techniques | peak live | saved | steady activations | step median (p10-p90) | "
         "samples/s | slowdown | final loss | valid accuracy (change) | Pareto |\n";
   md << "|---|---|---:|---:|---:|---|---:|---:|---:|---|:---:|\n";
@@ -352,7 +349,10 @@ std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots
   }
   md << "\n★ on the memory x speed Pareto front: no other run has a peak as low and a speed as "
         "high, and one of them strictly better. Sorted by peak live memory.\n";
+}
 
+/// The steady state's categories and the phases' peaks of each run that worked.
+void memory_table(std::ostream& md, const std::vector<const Row*>& order) {
   md << "\n## Where the memory is\n\nSteady state (a stage's third batch) and the peak of each "
         "phase.\n\n| run | parameters | gradients | optimizer state | activations | data | "
         "other | forward peak | backward peak | step peak |\n|---|---:|---:|---:|---:|---:|---:|"
@@ -365,7 +365,10 @@ std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots
     md << " |\n";
   }
   md << "\n(MiB.)\n";
+}
 
+/// What each technique alone changed, failed runs, runs shorter than the cap.
+void notes(std::ostream& md, const std::vector<Row>& rows, const json& meta) {
   const Row& base = rows.front();
   md << "\n## Notes\n\n";
   if (base.ok) {
@@ -383,6 +386,20 @@ std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots
   if (!short_runs.empty())
     md << "- Runs that ended with their epochs before the cap of " << meta["steps"].get<int64_t>()
        << " batches (batches run): " << short_runs << ".\n";
+}
+
+std::string report_md(const std::vector<Row>& rows, const json& meta, bool plots) {
+  std::ostringstream md;
+  report_header(md, meta);
+  std::vector<const Row*> order;
+  for (const auto& r : rows) order.push_back(&r);
+  std::stable_sort(order.begin(), order.end(), [](const Row* a, const Row* b) {
+    if (a->ok != b->ok) return a->ok;
+    return a->ok && a->peak < b->peak;
+  });
+  runs_table(md, order);
+  memory_table(md, order);
+  notes(md, rows, meta);
   if (plots) {
     md << "\n## Plots\n\n![peak live memory per run](plots/peak_memory.svg)\n\n"
           "![live memory over the first steps](plots/live_memory.svg)\n\n"
@@ -438,16 +455,8 @@ const char* kTerminals =
     "png_term = strstrt(GPVAL_TERMINALS, 'pngcairo') > 0 ? 'pngcairo' : 'png'\n"
     "png_out(name) = sprintf('set terminal %s size 900,520; set output \"%s.png\"', png_term, name)\n";
 
-/// Writes the data files and gnuplot scripts into `dir`; runs gnuplot when there is one.
-/// Returns whether the plots were drawn.
-bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t steps,
-                 spdlog::logger& log) {
-  fs::create_directories(dir);
-  std::vector<const Row*> ok;
-  for (const auto& r : rows)
-    if (r.ok) ok.push_back(&r);
-  std::stable_sort(ok.begin(), ok.end(), [](const Row* a, const Row* b) { return a->peak < b->peak; });
-
+/// peak.dat (by peak), tradeoff.dat and pareto.dat (by speed).
+void write_peak_data(const std::vector<const Row*>& ok, const std::string& dir) {
   std::ofstream peak(fs::path(dir) / "peak.dat");
   peak << "# run peak_MiB\n";
   for (const Row* r : ok) peak << quoted(r->run.name) << " " << mib(r->peak) << "\n";
@@ -464,9 +473,11 @@ bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t s
     trade << quoted(r->run.name) << " " << fixed(r->samples_per_second, 3) << " " << mib(r->peak) << "\n";
     if (r->pareto) front << quoted(r->run.name) << " " << fixed(r->samples_per_second, 3) << " " << mib(r->peak) << "\n";
   }
-  trade.close();
-  front.close();
+}
 
+/// live_<i>.dat of each run's first steps; returns the gnuplot `plot` command drawing them.
+std::string write_live_data(const std::vector<const Row*>& ok, const std::string& dir,
+                            int64_t steps) {
   const int64_t shown = std::min<int64_t>(steps, 4);  // a few steps: the pattern repeats
   std::string live_plot;
   for (size_t i = 0; i < ok.size(); ++i) {
@@ -478,7 +489,10 @@ bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t s
     live_plot += std::string(live_plot.empty() ? "plot " : ", \\\n     ") + quoted(file) +
                  " using 1:2 with steps lw 1.5 title " + quoted(ok[i]->run.name);
   }
+  return live_plot;
+}
 
+void write_scripts(const std::string& dir, const std::string& live_plot) {
   auto script = [&](const std::string& name, const std::string& body) {
     std::ofstream gp(fs::path(dir) / (name + ".gp"));
     gp << "# gnuplot " << name << ".gp (run in this folder) draws " << name << ".svg and .png\n"
@@ -501,7 +515,10 @@ bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t s
          "  set xlabel 'training step'\n  set ylabel 'live MiB'\n  set grid\n"
          "  set key outside right noenhanced\n  set yrange [0:*]\n  " +
              (live_plot.empty() ? std::string("plot 0 notitle") : live_plot) + "\n");
+}
 
+/// Runs gnuplot on the three scripts; false when it is absent or one fails.
+bool draw_plots(const std::string& dir, spdlog::logger& log) {
   const std::string gnuplot = find_in_path("gnuplot");
   if (gnuplot.empty()) {
     log.warn("gnuplot not found (install gnuplot-nox): no plots drawn; the data files and "
@@ -519,6 +536,20 @@ bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t s
     }
   }
   return all;
+}
+
+/// Writes the data files and gnuplot scripts into `dir`; runs gnuplot when there is one.
+/// Returns whether the plots were drawn.
+bool write_plots(const std::vector<Row>& rows, const std::string& dir, int64_t steps,
+                 spdlog::logger& log) {
+  fs::create_directories(dir);
+  std::vector<const Row*> ok;
+  for (const auto& r : rows)
+    if (r.ok) ok.push_back(&r);
+  std::stable_sort(ok.begin(), ok.end(), [](const Row* a, const Row* b) { return a->peak < b->peak; });
+  write_peak_data(ok, dir);
+  write_scripts(dir, write_live_data(ok, dir, steps));
+  return draw_plots(dir, log);
 }
 
 std::string command_line(const AblateArgs& a, int64_t steps, int64_t repeats) {
@@ -546,42 +577,52 @@ CLI::App* add_ablate_command(CLI::App& app, AblateArgs& a) {
   return c;
 }
 
-int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0) {
-  // Everything is checked before the first run: the [ablation] table, the plugins it names,
-  // and every run's whole configuration.
-  Config cfg = load_config(a.config, a.sets);
-  const TechniqueSet t = resolve_techniques(cfg);
-  const int64_t steps = a.steps ? a.steps : cfg.ablation.steps;
-  const int64_t repeats = a.repeats ? a.repeats : cfg.ablation.repeats;
-  const int64_t warmup = cfg.ablation.warmup;
-  if (warmup >= steps)
-    throw_config_error("--steps " + std::to_string(steps) + " must be more than 'ablation.warmup' (" +
-                       std::to_string(warmup) + "): no step would be timed");
-  const auto runs = ablation_runs(t, cfg.ablation.leave_one_out);
-  check_runs(a.config, a.sets, t, runs);
-  ensure_writable_dir(a.out);
-  const std::string exe = self_exe(argv0);
+namespace {
 
-  json meta = {{"config", a.config},
-               {"command", command_line(a, steps, repeats)},
-               {"machine", machine_info()},
-               {"steps", steps},
-               {"warmup", warmup},
-               {"repeats", repeats},
-               {"baseline_plugins", t.baseline},
-               {"techniques", t.techniques}};
-  log.info("ablation of {}: {} runs x {} repeat(s), {} batches each (warm-up {}); techniques: {}",
-           a.config, runs.size(), repeats, steps, warmup, join_on(t.techniques, ", "));
+/// What an ablation runs: its techniques, runs, batches and repeats, and the results' header.
+struct AblationPlan {
+  TechniqueSet t;
+  std::vector<ChildRun> runs;
+  int64_t steps = 0, repeats = 0, warmup = 0;
+  json meta;
+};
 
-  const auto t_start = std::chrono::steady_clock::now();
-  std::vector<std::vector<ChildResult>> results(runs.size());
-  std::vector<Row> rows(runs.size());
+/// Everything is checked before the first run: the [ablation] table, the plugins it names,
+/// and every run's whole configuration.
+AblationPlan plan_ablation(const AblateArgs& a) {
+  AblationPlan p;
+  const Config cfg = load_base_config(a.config, a.sets);
+  p.t = resolve_techniques(cfg);
+  p.steps = a.steps ? a.steps : cfg.ablation.steps;
+  p.repeats = a.repeats ? a.repeats : cfg.ablation.repeats;
+  p.warmup = cfg.ablation.warmup;
+  if (p.warmup >= p.steps)
+    throw_config_error("--steps " + std::to_string(p.steps) + " must be more than 'ablation.warmup' (" +
+                       std::to_string(p.warmup) + "): no step would be timed");
+  p.runs = ablation_runs(p.t, cfg.ablation.leave_one_out);
+  check_runs(a.config, a.sets, p.t, p.runs);
+  p.meta = {{"config", a.config},
+            {"command", command_line(a, p.steps, p.repeats)},
+            {"machine", machine_info()},
+            {"steps", p.steps},
+            {"warmup", p.warmup},
+            {"repeats", p.repeats},
+            {"baseline_plugins", p.t.baseline},
+            {"techniques", p.t.techniques}};
+  return p;
+}
+
+/// Runs every run `repeats` times; returns each run's results. Repeats go round the runs, so
+/// that a burst of load on the machine hits every run alike. Sets each row's run and folders.
+std::vector<std::vector<ChildResult>> run_all(const AblateArgs& a, const AblationPlan& p,
+                                              const std::string& exe, std::vector<Row>& rows,
+                                              spdlog::logger& log) {
+  std::vector<std::vector<ChildResult>> results(p.runs.size());
   size_t done = 0;
-  const size_t total = runs.size() * static_cast<size_t>(repeats);
-  // Repeats go round the runs, so that a burst of load on the machine hits every run alike.
-  for (int64_t rep = 0; rep < repeats; ++rep) {
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const ChildRun& r = runs[i];
+  const size_t total = p.runs.size() * static_cast<size_t>(p.repeats);
+  for (int64_t rep = 0; rep < p.repeats; ++rep) {
+    for (size_t i = 0; i < p.runs.size(); ++i) {
+      const ChildRun& r = p.runs[i];
       fs::path dir = fs::path(a.out) / "runs" / r.name;
       if (rep > 0) dir /= "repeat-" + std::to_string(rep + 1);
       const std::string trace = rep == 0 ? (dir / "trace.json").string() : "";
@@ -591,11 +632,11 @@ int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0) {
         rows[i].trace = trace;
       }
       const std::vector<std::string> keys = {
-          "run.max_steps=" + std::to_string(steps), "run.progress=\"none\"",
-          "run.warmup=" + std::to_string(warmup), "run.trace=" + quoted(trace)};
+          "run.max_steps=" + std::to_string(p.steps), "run.progress=\"none\"",
+          "run.warmup=" + std::to_string(p.warmup), "run.trace=" + quoted(trace)};
       ++done;
       log.info("[{}/{}] {} ({}) ...", done, total, r.name, join_on(r.on, ", "));
-      ChildResult res = run_train_child(exe, a.config, a.sets, t, r, dir.string(), keys);
+      ChildResult res = run_train_child(exe, a.config, a.sets, p.t, r, dir.string(), keys);
       if (res.exit_code == 0 && res.report.is_object()) {
         const json& fit = res.report["fit"];
         log.info("[{}/{}] {}: peak {}, step {:.1f} ms, {:.1f} s", done, total, r.name,
@@ -607,13 +648,13 @@ int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0) {
       results[i].push_back(std::move(res));
     }
   }
-  for (size_t i = 0; i < runs.size(); ++i) summarize(rows[i], results[i]);
-  compare(rows);
-  meta["wall_seconds"] =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  meta["load_average_at_end"] = machine_info().value("load_average", json());
+  return results;
+}
 
-  const bool plots = write_plots(rows, (fs::path(a.out) / "plots").string(), steps, log);
+/// results.json, results.csv, report.md (also printed) and the plots.
+void write_results(const AblateArgs& a, const AblationPlan& p, const json& meta,
+                   const std::vector<Row>& rows, spdlog::logger& log) {
+  const bool plots = write_plots(rows, (fs::path(a.out) / "plots").string(), p.steps, log);
   json out = meta;
   out["plots"] = plots;
   out["runs"] = json::array();
@@ -627,6 +668,27 @@ int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0) {
   log.info("ablation done in {:.0f} s: {} run(s), {} failed; {}/report.md, results.json, "
            "results.csv{}", meta["wall_seconds"].get<double>(), rows.size(), failed, a.out,
            plots ? ", plots/" : "");
+}
+
+}  // namespace
+
+int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0) {
+  const AblationPlan p = plan_ablation(a);
+  ensure_writable_dir(a.out);
+  const std::string exe = self_exe(argv0);
+  log.info("ablation of {}: {} runs x {} repeat(s), {} batches each (warm-up {}); techniques: {}",
+           a.config, p.runs.size(), p.repeats, p.steps, p.warmup, join_on(p.t.techniques, ", "));
+
+  const auto t_start = std::chrono::steady_clock::now();
+  std::vector<Row> rows(p.runs.size());
+  const auto results = run_all(a, p, exe, rows, log);
+  for (size_t i = 0; i < p.runs.size(); ++i) summarize(rows[i], results[i]);
+  compare(rows);
+  json meta = p.meta;
+  meta["wall_seconds"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  meta["load_average_at_end"] = machine_info().value("load_average", json());
+  write_results(a, p, meta, rows, log);
   // A failed run is a result, not a failure of the ablation; the baseline is needed though.
   return rows.front().ok ? 0 : 1;
 }

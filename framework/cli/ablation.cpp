@@ -104,6 +104,13 @@ TechniqueSet resolve_techniques(const Config& cfg) {
   return t;
 }
 
+Config load_base_config(const std::string& config, const std::vector<std::string>& sets) {
+  const toml::table plugins = read_plugins_table(config, sets);
+  PluginHost host(PluginHost::config_paths(plugins, config));
+  host.register_plugins(plugins, config);
+  return load_config(config, sets);  // holds nothing of a plugin: the host may go
+}
+
 std::vector<std::string> run_overrides(const TechniqueSet& t, const ChildRun& r) {
   std::vector<std::string> out;
   for (const auto& b : t.baseline) out.push_back("plugins." + b + ".enabled=true");
@@ -119,10 +126,7 @@ void check_runs(const std::string& config, const std::vector<std::string>& sets,
     std::vector<std::string> all = sets;
     for (auto& s : run_overrides(t, r)) all.push_back(s);
     try {
-      Config c = load_config(config, all);
-      PluginHost host(PluginHost::config_paths(c.plugins, c.source));
-      auto callbacks = host.load(c.plugins, c.source);
-      check_config(c);
+      load_config_with_plugins(config, all);
     } catch (const ConfigError& e) {
       throw ConfigError("run '" + r.name + "' (techniques: " + join_on(r.on, ", ") +
                         ") would fail: " + e.what());

@@ -13,6 +13,10 @@
 
 namespace frugal::cli {
 
+/// The config `frugal ablate` or `plan` reads in its own process: the plugins it turns on
+/// register first (the config may name an optimizer one adds), no callback is made.
+Config load_base_config(const std::string& config, const std::vector<std::string>& sets);
+
 /// The plugins an ablation varies and the ones always on, checked against the installed
 /// plugins (a ConfigError naming the key and file:line when one is not installed).
 struct TechniqueSet {

@@ -1,9 +1,10 @@
-// The `frugal` command: train, check.
+// The `frugal` command: train, check, keys, plugins (ablate and plan: ablate.cpp, plan.cpp).
 #include <unistd.h>
 
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <set>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -35,13 +36,12 @@ std::string joined(const std::vector<std::string>& v) {
 }
 
 int run_check(const Common& opt, spdlog::logger& log) {
-  frugal::Config cfg = frugal::load_config(opt.config, opt.sets);
-  // Plugins load first: they may register the models, datasets or losses the config names.
-  frugal::PluginHost host(frugal::PluginHost::config_paths(cfg.plugins, cfg.source));
-  auto callbacks = host.load(cfg.plugins, cfg.source);
-  frugal::check_config(cfg);
+  // Plugins load first: they may register the optimizers, models, datasets or losses the
+  // config names.
+  const frugal::ConfigWithPlugins loaded = frugal::load_config_with_plugins(opt.config, opt.sets);
+  const frugal::Config& cfg = loaded.config;
   log.info("{}: OK ({} stage(s), model {}, dataset {}, plugins: {})", opt.config, cfg.stages.size(),
-           cfg.model.arch, cfg.data.dataset, joined(host.loaded()));
+           cfg.model.arch, cfg.data.dataset, joined(loaded.host->loaded()));
   return 0;
 }
 
@@ -79,69 +79,87 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
   return 0;
 }
 
-int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
-  // Everything the config names is validated, and the output folder probed, before any work.
-  frugal::Config cfg = frugal::load_config(opt.config, opt.sets);
-  // The host outlives the learner: models a plugin registered die before their library.
-  frugal::PluginHost host(frugal::PluginHost::config_paths(cfg.plugins, cfg.source));
-  auto plugin_callbacks = host.load(cfg.plugins, cfg.source);
-  frugal::check_config(cfg);
+/// The config with its plugins; its output folders probed before any work.
+frugal::ConfigWithPlugins prepare_train(const Common& opt) {
+  frugal::ConfigWithPlugins loaded = frugal::load_config_with_plugins(opt.config, opt.sets);
+  const frugal::Config& cfg = loaded.config;
   frugal::ensure_writable_dir(cfg.run.out_dir);
   if (cfg.run.checkpoint_every > 0 || cfg.run.checkpoint_epochs > 0)
     frugal::ensure_writable_dir(std::filesystem::path(frugal::checkpoint_path(cfg.run)).parent_path().string());
-  // A resume continues the same run: the checkpoint's config must be this one.
-  std::string checkpoint;
-  if (!opt.resume.empty()) {
-    checkpoint = frugal::resume_checkpoint(opt.resume);
-    frugal::check_resume_config(cfg, frugal::Learner::read_checkpoint(checkpoint)["info"], checkpoint);
-  }
+  return loaded;
+}
 
-  auto learner = frugal::make_learner(cfg);
-  for (auto& cb : plugin_callbacks) learner->add_callback(cb);
-  log->info("plugins: {}", joined(host.loaded()));
-  if (!checkpoint.empty()) {
-    learner->load_checkpoint(checkpoint);
-    const frugal::FitPosition p = *learner->pending_resume();
-    if (p.done)
-      log->info("resuming from {}: that fit had ended; nothing is left to train", checkpoint);
-    else
-      log->info("resuming from {}: stage {} epoch {} batch {} ({} batches, {} steps done)",
-                checkpoint, p.stage + 1, p.epoch + 1, p.batch + 1, p.iteration, p.steps);
-  }
-  learner->add_callback(std::make_shared<frugal::ProgressCallback>(
-      frugal::ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
-  log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
-            cfg.data.dataset, learner->train_data().dataset().size(), cfg.data.batch_size,
-            learner->device().str(), at::get_num_threads(), frugal::compat::torch_version());
+/// The checkpoint `--resume` names, checked against the config: a resume continues the same
+/// run. "" without --resume.
+std::string checked_resume(const Common& opt, const frugal::ConfigWithPlugins& loaded) {
+  if (opt.resume.empty()) return "";
+  const std::string checkpoint = frugal::resume_checkpoint(opt.resume);
+  frugal::check_resume_config(loaded.config, frugal::Learner::read_checkpoint(checkpoint)["info"],
+                              checkpoint, loaded.host->keys_outside_training());
+  return checkpoint;
+}
 
-  nlohmann::json extra = {{"plugins", host.loaded()}};
-  if (!checkpoint.empty()) extra["resumed_from"] = checkpoint;
-  int rc = 0;
+void load_resume(frugal::Learner& learner, const std::string& checkpoint, spdlog::logger& log) {
+  learner.load_checkpoint(checkpoint);
+  const frugal::FitPosition p = *learner.pending_resume();
+  if (p.done)
+    log.info("resuming from {}: that fit had ended; nothing is left to train", checkpoint);
+  else
+    log.info("resuming from {}: stage {} epoch {} batch {} ({} batches, {} steps done)",
+             checkpoint, p.stage + 1, p.epoch + 1, p.batch + 1, p.iteration, p.steps);
+}
+
+/// Runs the fit; an error is logged and recorded in `extra` (the report says why the run
+/// stopped). Returns the exit code.
+int fit(frugal::Learner& learner, const frugal::Config& cfg, nlohmann::json& extra,
+        spdlog::logger& log) {
   try {
-    learner->fit(cfg.stages);
+    learner.fit(cfg.stages);
   } catch (const frugal::OomError& e) {
     extra["error"] = e.what();
-    log->error("{}", e.what());
-    rc = 1;
+    log.error("{}", e.what());
     // Out of memory in forward or backward leaves the model as before the failed batch: a
     // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
     // the parameters: no checkpoint then.
     if (e.phase() != frugal::OomError::Phase::Step) {
       const std::string path = frugal::checkpoint_path(cfg.run);
       try {
-        learner->save_checkpoint(path, frugal::checkpoint_info(cfg));
+        learner.save_checkpoint(path, frugal::checkpoint_info(cfg));
         extra["checkpoint"] = path;
-        log->info("checkpoint of the failed batch's start saved to {}", path);
+        log.info("checkpoint of the failed batch's start saved to {}", path);
       } catch (const std::exception& ce) {
-        log->error("could not save a checkpoint after the out-of-memory error: {}", ce.what());
+        log.error("could not save a checkpoint after the out-of-memory error: {}", ce.what());
       }
     }
+    return 1;
   } catch (const std::exception& e) {
-    // The report still gets written, saying why the run stopped.
     extra["error"] = e.what();
-    log->error("{}", e.what());
-    rc = 1;
+    log.error("{}", e.what());
+    return 1;
   }
+  return 0;
+}
+
+int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
+  // Everything the config names is validated, and the output folder probed, before any work.
+  // `loaded` outlives the learner: what a plugin registered dies before its library.
+  const frugal::ConfigWithPlugins loaded = prepare_train(opt);
+  const frugal::Config& cfg = loaded.config;
+  const std::string checkpoint = checked_resume(opt, loaded);
+
+  auto learner = frugal::make_learner(cfg);
+  for (auto& cb : loaded.callbacks) learner->add_callback(cb);
+  log->info("plugins: {}", joined(loaded.host->loaded()));
+  if (!checkpoint.empty()) load_resume(*learner, checkpoint, *log);
+  learner->add_callback(std::make_shared<frugal::ProgressCallback>(
+      frugal::ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
+  log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
+            cfg.data.dataset, learner->train_data().dataset().size(), cfg.data.batch_size,
+            learner->device().str(), at::get_num_threads(), frugal::compat::torch_version());
+
+  nlohmann::json extra = {{"plugins", loaded.host->loaded()}};
+  if (!checkpoint.empty()) extra["resumed_from"] = checkpoint;
+  const int rc = fit(*learner, cfg, extra, *log);
   auto report = frugal::make_report(*learner, cfg, extra);
   frugal::write_report(cfg.run.out_dir, report, cfg);
   std::cout << frugal::report_markdown(report) << std::flush;
@@ -149,9 +167,18 @@ int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
   return rc;
 }
 
-// Every key of the run configuration with its type, default, allowed values and help:
-// the README's configuration reference is this command's output.
-int run_keys(bool json) {
+/// `fields` without the own keys of optimizer `name` (what the optimizer's section lists).
+nlohmann::json common_optimizer_keys(const nlohmann::json& fields, const std::string& name) {
+  std::set<std::string> own;
+  for (const auto& f : frugal::describe_optimizer_keys(name)) own.insert(f["key"].get<std::string>());
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& f : fields)
+    if (!own.count(f["key"].get<std::string>())) out.push_back(f);
+  return out;
+}
+
+/// Every section's keys, then {"optimizers": {name: {description, owner, keys}}}.
+nlohmann::json all_keys() {
   frugal::RunOptions run;
   frugal::DataOptions data;
   frugal::ModelOptions model;
@@ -164,81 +191,109 @@ int run_keys(bool json) {
       {"loss", &loss}, {"[stages]", &stage}, {"ablation", &ablation}};
   nlohmann::json all = nlohmann::json::object();
   for (auto& [name, o] : sections) all[name] = frugal::describe_options(*o);
+  // [optimizer] lists the keys every optimizer takes; each optimizer's own follow.
+  all["optimizer"] = common_optimizer_keys(all["optimizer"], optimizer.name);
+  for (auto& f : all["[stages]"])
+    if (f["key"] == "optimizer") f["fields"] = common_optimizer_keys(f["fields"], optimizer.name);
+  for (const auto& name : frugal::optimizers().names()) {
+    const auto entry = frugal::optimizers().get(name);
+    all["optimizers"][name] = {{"description", entry.description},
+                               {"owner", entry.owner},
+                               {"keys", frugal::describe_optimizer_keys(name)}};
+  }
+  return all;
+}
+
+void print_key_table(const std::string& section, const nlohmann::json& fields) {
+  std::cout << "\n### " << section << "\n\n| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+  std::vector<std::pair<std::string, nlohmann::json>> nested;
+  for (const auto& f : fields) {
+    if (f.value("type", "") == "table") {
+      nested.emplace_back(section.substr(0, section.size() - 1) + "." + f["key"].get<std::string>() + "]",
+                          f["fields"]);
+      continue;
+    }
+    std::cout << "| `" << f["key"].get<std::string>() << "` | " << f.value("type", "") << " | `"
+              << f["default"].dump() << "` | " << f.value("allowed", "") << " | "
+              << f.value("help", "")
+              << (f.value("affects_training", true) ? "" : " (may differ on `--resume`)") << " |\n";
+  }
+  for (auto& [n, fs] : nested) print_key_table(n, fs);
+}
+
+// Every key of the run configuration with its type, default, allowed values and help:
+// the README's configuration reference is this command's output.
+int run_keys(bool json) {
+  const nlohmann::json all = all_keys();
   if (json) {
     std::cout << all.dump(2) << "\n";
     return 0;
   }
-  std::function<void(const std::string&, const nlohmann::json&)> table;
-  table = [&](const std::string& section, const nlohmann::json& fields) {
-    std::cout << "\n### [" << section << "]\n\n| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
-    std::vector<std::pair<std::string, nlohmann::json>> nested;
-    for (const auto& f : fields) {
-      if (f.value("type", "") == "table") {
-        nested.emplace_back(section + "." + f["key"].get<std::string>(), f["fields"]);
-        continue;
-      }
-      std::cout << "| `" << f["key"].get<std::string>() << "` | " << f.value("type", "") << " | `"
-                << f["default"].dump() << "` | " << f.value("allowed", "") << " | "
-                << f.value("help", "") << " |\n";
+  for (const char* section : {"run", "data", "model", "optimizer", "loss", "[stages]", "ablation"}) {
+    print_key_table("[" + std::string(section) + "]", all[section]);
+    if (std::string(section) != "optimizer") continue;
+    for (const auto& [name, o] : all["optimizers"].items()) {
+      const std::string title = "[optimizer] name = \"" + name + "\": " + o["description"].get<std::string>();
+      if (o["keys"].empty())
+        std::cout << "\n### " << title << "\n\nNo keys of its own.\n";
+      else
+        print_key_table(title, o["keys"]);
     }
-    for (auto& [n, fs] : nested) table(n, fs);
-  };
-  for (auto& [name, o] : sections) table(name, all[name]);
+  }
   return 0;
 }
 
-}  // namespace
+/// Every subcommand's arguments, and the subcommands.
+struct Args {
+  std::string level = "info";
+  Common train, check;
+  bool plugins_json = false, keys_json = false;
+  std::vector<std::string> plugin_paths;
+  frugal::cli::AblateArgs ablate;
+  frugal::cli::PlanArgs plan;
+  CLI::App *train_cmd = nullptr, *check_cmd = nullptr, *plugins_cmd = nullptr,
+           *keys_cmd = nullptr, *ablate_cmd = nullptr, *plan_cmd = nullptr;
+};
 
-int main(int argc, char** argv) {
-  // Count every tensor the run makes.
-  frugal::MemoryMeter::install();
-
-  CLI::App app{"frugal: train models that do not fit in memory, and measure what each technique buys"};
+void add_commands(CLI::App& app, Args& a) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("frugal ") + frugal::kVersion + ", LibTorch " +
                                         frugal::compat::torch_version());
-  std::string level = "info";
-  app.add_option("--log-level", level, "trace, debug, info, warn, error, off")
+  app.add_option("--log-level", a.level, "trace, debug, info, warn, error, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  a.train_cmd = app.add_subcommand("train", "train a model as a TOML file describes, then write its report");
+  add_common(a.train_cmd, a.train);
+  a.train_cmd->add_option("--resume", a.train.resume,
+                          "continue the run whose checkpoint is in this run folder (its "
+                          "checkpoints/last.ckpt) or file; CONFIG must be that run's config");
+  a.check_cmd = app.add_subcommand("check", "validate a TOML file without training");
+  add_common(a.check_cmd, a.check);
+  a.plugins_cmd = app.add_subcommand("plugins", "list the plugins found, with their options and defaults");
+  a.plugins_cmd->add_flag("--json", a.plugins_json, "print JSON instead");
+  a.plugins_cmd->add_option("--path", a.plugin_paths, "also search this folder (repeatable)");
+  a.keys_cmd = app.add_subcommand("keys", "list every configuration key with its default (Markdown)");
+  a.keys_cmd->add_flag("--json", a.keys_json, "print JSON instead");
+  a.ablate_cmd = frugal::cli::add_ablate_command(app, a.ablate);
+  a.plan_cmd = frugal::cli::add_plan_command(app, a.plan);
+}
 
-  Common train_opt, check_opt;
-  auto* train = app.add_subcommand("train", "train a model as a TOML file describes, then write its report");
-  add_common(train, train_opt);
-  train->add_option("--resume", train_opt.resume,
-                    "continue the run whose checkpoint is in this run folder (its "
-                    "checkpoints/last.ckpt) or file; CONFIG must be that run's config");
-  auto* check = app.add_subcommand("check", "validate a TOML file without training");
-  add_common(check, check_opt);
-
-  bool plugins_json = false;
-  std::vector<std::string> plugin_paths;
-  auto* plugins = app.add_subcommand("plugins", "list the plugins found, with their options and defaults");
-  plugins->add_flag("--json", plugins_json, "print JSON instead");
-  plugins->add_option("--path", plugin_paths, "also search this folder (repeatable)");
-
-  bool keys_json = false;
-  auto* keys = app.add_subcommand("keys", "list every configuration key with its default (Markdown)");
-  keys->add_flag("--json", keys_json, "print JSON instead");
-
-  frugal::cli::AblateArgs ablate_opt;
-  auto* ablate = frugal::cli::add_ablate_command(app, ablate_opt);
-  frugal::cli::PlanArgs plan_opt;
-  auto* plan = frugal::cli::add_plan_command(app, plan_opt);
-
-  CLI11_PARSE(app, argc, argv);
-
+std::shared_ptr<spdlog::logger> make_log(const std::string& level) {
   auto log = spdlog::stderr_color_mt("frugal");
   log->set_level(spdlog::level::from_str(level));
   log->set_pattern("%^[%H:%M:%S %l]%$ %v");
   spdlog::set_default_logger(log);  // plugins' loggers share its sinks and level
+  return log;
+}
 
+/// Runs the parsed subcommand; an error is logged, exit code 2 for a config or plugin error.
+int dispatch(const Args& a, const std::shared_ptr<spdlog::logger>& log, const char* argv0) {
   try {
-    if (*train) return run_train(train_opt, log);
-    if (*check) return run_check(check_opt, *log);
-    if (*keys) return run_keys(keys_json);
-    if (*plugins) return run_plugins(plugin_paths, plugins_json);
-    if (*ablate) return frugal::cli::run_ablate(ablate_opt, *log, argv[0]);
-    if (*plan) return frugal::cli::run_plan(plan_opt, *log, argv[0]);
+    if (*a.train_cmd) return run_train(a.train, log);
+    if (*a.check_cmd) return run_check(a.check, *log);
+    if (*a.keys_cmd) return run_keys(a.keys_json);
+    if (*a.plugins_cmd) return run_plugins(a.plugin_paths, a.plugins_json);
+    if (*a.ablate_cmd) return frugal::cli::run_ablate(a.ablate, *log, argv0);
+    if (*a.plan_cmd) return frugal::cli::run_plan(a.plan, *log, argv0);
   } catch (const frugal::ConfigError& e) {
     log->error("{}", e.what());
     return 2;
@@ -250,4 +305,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Count every tensor the run makes.
+  frugal::MemoryMeter::install();
+  CLI::App app{"frugal: train models that do not fit in memory, and measure what each technique buys"};
+  Args args;
+  add_commands(app, args);
+  CLI11_PARSE(app, argc, argv);
+  return dispatch(args, make_log(args.level), argv[0]);
 }

@@ -83,130 +83,168 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   return c;
 }
 
-int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
-  Config cfg = load_config(a.config, a.sets);
-  const TechniqueSet t = resolve_techniques(cfg);
-  const int64_t budget = parse_bytes(a.budget, "--budget");
-  const size_t n = t.techniques.size();
+namespace {
+
+/// What the plan measures and predicts from: the config, its techniques, the batch sizes and
+/// the keys every child run gets.
+struct PlanInputs {
+  Config cfg;
+  TechniqueSet t;
+  int64_t budget = 0;
+  int64_t b = 0, half = 0;         ///< the batch size and half of it
+  std::vector<std::string> keys;   ///< run.* keys of every child run
+  std::vector<ChildRun> measure;   ///< the baseline and each technique alone, at b and b / 2
+};
+
+PlanInputs plan_inputs(const PlanArgs& a) {
+  PlanInputs in;
+  in.cfg = load_base_config(a.config, a.sets);
+  in.t = resolve_techniques(in.cfg);
+  in.budget = parse_bytes(a.budget, "--budget");
+  const size_t n = in.t.techniques.size();
   if (n > 12)
-    throw_config_error(cfg.ablation.techniques_at + ": 'ablation.techniques' has " +
+    throw_config_error(in.cfg.ablation.techniques_at + ": 'ablation.techniques' has " +
                        std::to_string(n) + " plugins; the planner predicts all 2^n combinations "
                        "and allows at most 12");
-  const int64_t b = cfg.data.batch_size;
-  if (b < 2)
-    throw_config_error(cfg.source + ": 'data.batch_size' must be at least 2 for the planner, "
+  in.b = in.cfg.data.batch_size;
+  if (in.b < 2)
+    throw_config_error(in.cfg.source + ": 'data.batch_size' must be at least 2 for the planner, "
                        "which measures at the batch size and at half of it");
-  const int64_t half = b / 2;
-  const int64_t warmup = std::min<int64_t>(cfg.ablation.warmup, a.steps - 1);
-  const std::vector<std::string> keys = {
-      "run.max_steps=" + std::to_string(a.steps), "run.progress=\"none\"",
-      "run.warmup=" + std::to_string(warmup), "run.trace=\"\"",
-      // Validation's peak does not follow the training batch: the plan is about training.
-      "data.valid_samples=-1"};
-
-  // The measured runs: the baseline and each technique alone, at b and b / 2.
-  std::vector<ChildRun> measure;
+  in.half = in.b / 2;
+  const int64_t warmup = std::min<int64_t>(in.cfg.ablation.warmup, a.steps - 1);
+  in.keys = {"run.max_steps=" + std::to_string(a.steps), "run.progress=\"none\"",
+             "run.warmup=" + std::to_string(warmup), "run.trace=\"\"",
+             // Validation's peak does not follow the training batch: the plan is about training.
+             "data.valid_samples=-1"};
   std::vector<std::vector<std::string>> sets = {{}};
-  for (const auto& x : t.techniques) sets.push_back({x});
+  for (const auto& x : in.t.techniques) sets.push_back({x});
   for (const auto& on : sets)
-    for (int64_t size : {b, half})
-      measure.push_back({name_of(on) + "-b" + std::to_string(size), on,
-                         {"data.batch_size=" + std::to_string(size)}});
-  check_runs(a.config, a.sets, t, measure);
-  ensure_writable_dir(a.out);
-  const std::string exe = self_exe(argv0);
-  log.info("plan for {} within {}: measuring the baseline and {} technique(s) at batch sizes "
-           "{} and {} ({} runs of {} batches)", a.config, format_bytes(budget), n, b, half,
-           measure.size(), a.steps);
+    for (int64_t size : {in.b, in.half})
+      in.measure.push_back({name_of(on) + "-b" + std::to_string(size), on,
+                            {"data.batch_size=" + std::to_string(size)}});
+  check_runs(a.config, a.sets, in.t, in.measure);
+  return in;
+}
 
-  std::vector<Fit> fits;  // [0] baseline, then each technique
-  double invariant = 0;   // bytes per sample no technique changes: the loaded batch
-  json measured = json::array();
-  for (size_t i = 0; i < measure.size(); i += 2) {
+/// The fits of the measured runs: [0] the baseline, then each technique.
+struct Measured {
+  std::vector<Fit> fits;
+  double invariant = 0;  ///< bytes per sample no technique changes: the loaded batch
+  json runs = json::array();
+};
+
+/// F and A of one technique (or the baseline) from its runs at b and b / 2.
+Fit fit_of(const ChildResult& big, const ChildResult& small, int64_t b, int64_t half) {
+  Fit f;
+  f.slope = std::max(0.0, static_cast<double>(peak_of(big) - peak_of(small)) /
+                              static_cast<double>(b - half));
+  f.fixed = static_cast<double>(peak_of(big)) - f.slope * static_cast<double>(b);
+  f.step = step_of(big);
+  return f;
+}
+
+Measured measure_all(const PlanArgs& a, const PlanInputs& in, const std::string& exe,
+                     spdlog::logger& log) {
+  Measured m;
+  for (size_t i = 0; i < in.measure.size(); i += 2) {
     ChildResult big, small;
     for (size_t k = 0; k < 2; ++k) {
-      const ChildRun& r = measure[i + k];
-      log.info("[{}/{}] {} ...", i + k + 1, measure.size(), r.name);
-      ChildResult res = run_train_child(exe, a.config, a.sets, t, r,
-                                        (fs::path(a.out) / "measure" / r.name).string(), keys);
+      const ChildRun& r = in.measure[i + k];
+      log.info("[{}/{}] {} ...", i + k + 1, in.measure.size(), r.name);
+      ChildResult res = run_train_child(exe, a.config, a.sets, in.t, r,
+                                        (fs::path(a.out) / "measure" / r.name).string(), in.keys);
       if (res.exit_code != 0 || !res.report.is_object())
         throw Error("measured run '" + r.name + "' failed (exit " + std::to_string(res.exit_code) +
                     "): " + res.error + "; the planner needs the baseline and each technique "
                     "alone to run (see " + a.out + "/measure/" + r.name + "/log.txt)");
-      measured.push_back({{"name", r.name}, {"techniques", r.on},
-                          {"batch_size", k == 0 ? b : half}, {"peak_bytes", peak_of(res)},
-                          {"step_seconds", step_of(res)}});
+      m.runs.push_back({{"name", r.name}, {"techniques", r.on},
+                        {"batch_size", k == 0 ? in.b : in.half}, {"peak_bytes", peak_of(res)},
+                        {"step_seconds", step_of(res)}});
       (k == 0 ? big : small) = std::move(res);
     }
-    Fit f;
-    f.slope = std::max(0.0, static_cast<double>(peak_of(big) - peak_of(small)) /
-                                static_cast<double>(b - half));
-    f.fixed = static_cast<double>(peak_of(big)) - f.slope * static_cast<double>(b);
-    f.step = step_of(big);
-    if (fits.empty())
-      invariant = std::clamp(static_cast<double>(batch_bytes_of(big) - batch_bytes_of(small)) /
-                                 static_cast<double>(b - half),
-                             0.0, f.slope);
-    fits.push_back(f);
+    const Fit f = fit_of(big, small, in.b, in.half);
+    if (m.fits.empty())
+      m.invariant = std::clamp(static_cast<double>(batch_bytes_of(big) - batch_bytes_of(small)) /
+                                   static_cast<double>(in.b - in.half),
+                               0.0, f.slope);
+    m.fits.push_back(f);
   }
+  return m;
+}
 
-  // Every combination.
-  const Fit& base = fits[0];
+/// Every combination's predicted peak and step time, smallest peak first.
+std::vector<Candidate> predict_all(const PlanInputs& in, const Measured& m) {
+  const Fit& base = m.fits[0];
+  const size_t n = in.t.techniques.size();
   std::vector<Candidate> all;
   for (size_t mask = 0; mask < (size_t{1} << n); ++mask) {
     Candidate c;
     // Techniques scale the per-sample bytes above the batch's own.
-    double scaled = base.slope - invariant, step = base.step, grow = 0, shrink = 0;
+    double scaled = base.slope - m.invariant, step = base.step, grow = 0, shrink = 0;
     for (size_t j = 0; j < n; ++j) {
       if (!(mask & (size_t{1} << j))) continue;
-      const Fit& f = fits[j + 1];
-      c.on.push_back(t.techniques[j]);
+      const Fit& f = m.fits[j + 1];
+      c.on.push_back(in.t.techniques[j]);
       const double delta = f.fixed - base.fixed;
       if (delta > 0)
         grow = std::max(grow, delta);
       else
         shrink += delta;
-      if (base.slope - invariant > 0)
-        scaled *= std::max(0.0, f.slope - invariant) / (base.slope - invariant);
+      if (base.slope - m.invariant > 0)
+        scaled *= std::max(0.0, f.slope - m.invariant) / (base.slope - m.invariant);
       if (base.step > 0) step *= f.step / base.step;
     }
-    c.peak = base.fixed + grow + shrink + (invariant + scaled) * static_cast<double>(b);
+    c.peak = base.fixed + grow + shrink + (m.invariant + scaled) * static_cast<double>(in.b);
     c.step = step;
-    c.fits = c.peak <= static_cast<double>(budget);
+    c.fits = c.peak <= static_cast<double>(in.budget);
     all.push_back(std::move(c));
   }
   std::sort(all.begin(), all.end(), [](const Candidate& x, const Candidate& y) { return x.peak < y.peak; });
+  return all;
+}
+
+/// The fastest combination predicted to fit; null when none does.
+const Candidate* fastest_fitting(const std::vector<Candidate>& all) {
   const Candidate* best = nullptr;
   for (const auto& c : all)
     if (c.fits && (!best || c.step < best->step)) best = &c;
+  return best;
+}
 
+/// plan.json without the combinations and the proposal: the inputs and the fitted model.
+json plan_header(const PlanArgs& a, const PlanInputs& in, const Measured& m) {
   json out = {{"config", a.config},
-              {"budget_bytes", budget},
-              {"batch_size", b},
+              {"budget_bytes", in.budget},
+              {"batch_size", in.b},
               {"steps", a.steps},
               {"machine", machine_info()},
-              {"techniques", t.techniques},
-              {"baseline_plugins", t.baseline},
-              {"measured", measured}};
+              {"techniques", in.t.techniques},
+              {"baseline_plugins", in.t.baseline},
+              {"measured", m.runs}};
   json fitted = json::object();
-  for (size_t j = 0; j < fits.size(); ++j)
-    fitted[j == 0 ? std::string("baseline") : t.techniques[j - 1]] = {
-        {"fixed_bytes", fits[j].fixed}, {"bytes_per_sample", fits[j].slope},
-        {"step_seconds", fits[j].step}};
-  fitted["batch_bytes_per_sample"] = invariant;
+  for (size_t j = 0; j < m.fits.size(); ++j)
+    fitted[j == 0 ? std::string("baseline") : in.t.techniques[j - 1]] = {
+        {"fixed_bytes", m.fits[j].fixed}, {"bytes_per_sample", m.fits[j].slope},
+        {"step_seconds", m.fits[j].step}};
+  fitted["batch_bytes_per_sample"] = m.invariant;
   out["model"] = fitted;
+  return out;
+}
 
-  // Verify: the proposal (or, with --check-all, every combination) runs at the batch size.
-  std::vector<Candidate*> verify;
+/// Runs the proposal (or, with --check-all, every combination) at the batch size and records
+/// what it measured.
+void verify(const PlanArgs& a, const PlanInputs& in, const std::string& exe,
+            std::vector<Candidate>& all, const Candidate* best, spdlog::logger& log) {
+  std::vector<Candidate*> chosen;
   for (auto& c : all)
-    if (a.check_all || (best && &c == best)) verify.push_back(&c);
+    if (a.check_all || (best && &c == best)) chosen.push_back(&c);
   size_t k = 0;
-  for (Candidate* c : verify) {
+  for (Candidate* c : chosen) {
     ChildRun r{"run-" + name_of(c->on), c->on, {}};
-    log.info("[verify {}/{}] {} (predicted peak {}) ...", ++k, verify.size(), name_of(c->on),
+    log.info("[verify {}/{}] {} (predicted peak {}) ...", ++k, chosen.size(), name_of(c->on),
              format_bytes(static_cast<int64_t>(c->peak)));
-    ChildResult res = run_train_child(exe, a.config, a.sets, t, r,
-                                      (fs::path(a.out) / "verify" / name_of(c->on)).string(), keys);
+    ChildResult res = run_train_child(exe, a.config, a.sets, in.t, r,
+                                      (fs::path(a.out) / "verify" / name_of(c->on)).string(), in.keys);
     if (res.exit_code != 0 || !res.report.is_object()) {
       log.warn("run {} failed: {}", name_of(c->on), res.error);
       continue;
@@ -215,14 +253,10 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
     c->measured_peak = peak_of(res);
     c->measured_step = step_of(res);
   }
+}
 
-  std::ostringstream md;
-  md << "# Plan for `" << a.config << "` within " << format_bytes(budget) << "\n\n"
-     << "Batch size " << b << "; predicted from " << measure.size() << " runs of " << a.steps
-     << " batches (the baseline and each technique alone at batch sizes " << b << " and " << half
-     << "); training peak, validation off.\n\n"
-     << "| techniques | predicted peak | fits | predicted step time | measured peak | error |\n"
-     << "|---|---:|:---:|---:|---:|---:|\n";
+/// plan.md's table (one row per combination, the proposal in bold) and their JSON.
+json combinations(const std::vector<Candidate>& all, const Candidate* best, std::ostream& md) {
   json combos = json::array();
   for (const auto& c : all) {
     json j = {{"techniques", c.on}, {"predicted_peak_bytes", static_cast<int64_t>(c.peak)},
@@ -241,49 +275,83 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
     }
     combos.push_back(j);
   }
-  out["combinations"] = combos;
-  int rc = 0;
-  if (!best) {
-    const Candidate& smallest = all.front();
-    const std::string msg =
-        "no combination of " + join_on(t.techniques, ", ") + " is predicted to fit " +
-        format_bytes(budget) + ": the smallest predicted peak is " +
-        format_bytes(static_cast<int64_t>(smallest.peak)) + " (" + name_of(smallest.on) +
-        "). Raise --budget, lower data.batch_size (each sample adds about " +
-        format_bytes(static_cast<int64_t>(std::max(0.0, (smallest.peak - fits[0].fixed) / b))) +
-        " with it), or add a technique";
-    md << "\n**No combination fits.** " << msg << ".\n";
-    out["proposal"] = nullptr;
-    out["error"] = msg;
-    log.error("{}", msg);
-    rc = 3;
-  } else {
-    md << "\nProposal: **" << name_of(best->on) << "**, the fastest predicted to fit ("
-       << format_bytes(static_cast<int64_t>(best->peak)) << " of " << format_bytes(budget) << ").";
-    json p = {{"techniques", best->on}, {"predicted_peak_bytes", static_cast<int64_t>(best->peak)},
-              {"predicted_step_seconds", best->step}};
-    if (best->measured) {
-      const double err = 100.0 * (best->peak - static_cast<double>(best->measured_peak)) / best->measured_peak;
-      p["measured_peak_bytes"] = best->measured_peak;
-      p["error_percent"] = err;
-      md << " Measured: " << format_bytes(best->measured_peak) << " (prediction "
-         << (err >= 0 ? "+" : "") << fixed(err, 1) << "%)"
-         << (best->measured_peak > budget ? "; **over the budget**" : "") << ".";
-      if (best->measured_peak > budget)
-        log.warn("the proposal measured {} > budget {}", format_bytes(best->measured_peak),
-                 format_bytes(budget));
-    }
-    if (best->on.empty())
-      md << "\n\nThe baseline fits: no technique is needed.\n";
-    else
-      md << "\n\nTo use it: set `enabled = true` in [plugins." << join_on(best->on, "], [plugins.")
-         << "] and `enabled = false` for the other techniques.\n";
-    out["proposal"] = p;
+  return combos;
+}
+
+/// No combination fits: the message, in plan.md, plan.json and the log.
+void no_proposal(const PlanInputs& in, const Measured& m, const std::vector<Candidate>& all,
+                 std::ostream& md, json& out, spdlog::logger& log) {
+  const Candidate& smallest = all.front();
+  const std::string msg =
+      "no combination of " + join_on(in.t.techniques, ", ") + " is predicted to fit " +
+      format_bytes(in.budget) + ": the smallest predicted peak is " +
+      format_bytes(static_cast<int64_t>(smallest.peak)) + " (" + name_of(smallest.on) +
+      "). Raise --budget, lower data.batch_size (each sample adds about " +
+      format_bytes(static_cast<int64_t>(std::max(0.0, (smallest.peak - m.fits[0].fixed) / in.b))) +
+      " with it), or add a technique";
+  md << "\n**No combination fits.** " << msg << ".\n";
+  out["proposal"] = nullptr;
+  out["error"] = msg;
+  log.error("{}", msg);
+}
+
+/// The proposal, with what its run measured, in plan.md and plan.json.
+void proposal(const PlanInputs& in, const Candidate& best, std::ostream& md, json& out,
+              spdlog::logger& log) {
+  md << "\nProposal: **" << name_of(best.on) << "**, the fastest predicted to fit ("
+     << format_bytes(static_cast<int64_t>(best.peak)) << " of " << format_bytes(in.budget) << ").";
+  json p = {{"techniques", best.on}, {"predicted_peak_bytes", static_cast<int64_t>(best.peak)},
+            {"predicted_step_seconds", best.step}};
+  if (best.measured) {
+    const double err = 100.0 * (best.peak - static_cast<double>(best.measured_peak)) / best.measured_peak;
+    p["measured_peak_bytes"] = best.measured_peak;
+    p["error_percent"] = err;
+    md << " Measured: " << format_bytes(best.measured_peak) << " (prediction "
+       << (err >= 0 ? "+" : "") << fixed(err, 1) << "%)"
+       << (best.measured_peak > in.budget ? "; **over the budget**" : "") << ".";
+    if (best.measured_peak > in.budget)
+      log.warn("the proposal measured {} > budget {}", format_bytes(best.measured_peak),
+               format_bytes(in.budget));
   }
+  if (best.on.empty())
+    md << "\n\nThe baseline fits: no technique is needed.\n";
+  else
+    md << "\n\nTo use it: set `enabled = true` in [plugins." << join_on(best.on, "], [plugins.")
+       << "] and `enabled = false` for the other techniques.\n";
+  out["proposal"] = p;
+}
+
+}  // namespace
+
+int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
+  const PlanInputs in = plan_inputs(a);
+  ensure_writable_dir(a.out);
+  const std::string exe = self_exe(argv0);
+  log.info("plan for {} within {}: measuring the baseline and {} technique(s) at batch sizes "
+           "{} and {} ({} runs of {} batches)", a.config, format_bytes(in.budget),
+           in.t.techniques.size(), in.b, in.half, in.measure.size(), a.steps);
+  const Measured m = measure_all(a, in, exe, log);
+  std::vector<Candidate> all = predict_all(in, m);
+  const Candidate* best = fastest_fitting(all);
+  json out = plan_header(a, in, m);
+  verify(a, in, exe, all, best, log);
+
+  std::ostringstream md;
+  md << "# Plan for `" << a.config << "` within " << format_bytes(in.budget) << "\n\n"
+     << "Batch size " << in.b << "; predicted from " << in.measure.size() << " runs of " << a.steps
+     << " batches (the baseline and each technique alone at batch sizes " << in.b << " and "
+     << in.half << "); training peak, validation off.\n\n"
+     << "| techniques | predicted peak | fits | predicted step time | measured peak | error |\n"
+     << "|---|---:|:---:|---:|---:|---:|\n";
+  out["combinations"] = combinations(all, best, md);
+  if (best)
+    proposal(in, *best, md, out, log);
+  else
+    no_proposal(in, m, all, md, out, log);
   write_file_atomic((fs::path(a.out) / "plan.json").string(), out.dump(2) + "\n");
   write_file_atomic((fs::path(a.out) / "plan.md").string(), md.str());
   std::cout << md.str() << std::flush;
-  return rc;
+  return best ? 0 : 3;
 }
 
 }  // namespace frugal::cli

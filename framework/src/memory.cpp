@@ -13,6 +13,7 @@
 
 #include "frugal/compat.h"
 #include "frugal/error.h"
+#include "frugal/options.h"
 
 namespace frugal {
 
@@ -163,29 +164,6 @@ int64_t gradient_bytes(const torch::nn::Module& m) {
   int64_t total = 0;
   for (const auto& p : m.parameters())
     if (p.grad().defined()) total += static_cast<int64_t>(p.grad().nbytes());
-  return total;
-}
-
-namespace {
-int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
-}  // namespace
-
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt) {
-  int64_t total = 0;
-  for (const auto& kv : opt.state()) {
-    const auto* s = kv.second.get();
-    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
-      total += bytes_of(a->exp_avg()) + bytes_of(a->exp_avg_sq()) + bytes_of(a->max_exp_avg_sq());
-    } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
-      total += bytes_of(w->exp_avg()) + bytes_of(w->exp_avg_sq()) + bytes_of(w->max_exp_avg_sq());
-    } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
-      total += bytes_of(g->momentum_buffer());
-    } else if (auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
-      total += bytes_of(r->square_avg()) + bytes_of(r->momentum_buffer()) + bytes_of(r->grad_avg());
-    } else if (auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
-      total += bytes_of(d->sum());
-    }
-  }
   return total;
 }
 
@@ -374,30 +352,11 @@ std::string format_bytes(int64_t bytes) {
 }
 
 int64_t parse_bytes(const std::string& text, const std::string& what) {
-  std::string s;
-  for (char c : text)
-    if (!std::isspace(static_cast<unsigned char>(c))) s += c;
-  size_t pos = 0;
-  double value = 0;
-  try {
-    value = std::stod(s, &pos);
-  } catch (const std::exception&) {
-    pos = 0;
-  }
-  std::string unit = s.substr(pos);
-  std::transform(unit.begin(), unit.end(), unit.begin(), ::tolower);
-  static const std::pair<const char*, double> units[] = {
-      {"", 1},          {"b", 1},
-      {"kb", 1e3},      {"mb", 1e6},        {"gb", 1e9},          {"tb", 1e12},
-      {"kib", 1024.0},  {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0},
-      {"k", 1024.0},    {"m", 1048576.0},   {"g", 1073741824.0}};
-  if (pos == 0 || value < 0 || !std::isfinite(value))
-    throw_config_error("'" + what + "' must be a size such as \"512MiB\" or \"2GiB\", got \"" +
-                       text + "\"");
-  for (const auto& [name, mult] : units)
-    if (unit == name) return static_cast<int64_t>(std::llround(value * mult));
-  throw_config_error("'" + what + "' has an unknown unit \"" + unit +
-                     "\"; use B, KiB, MiB, GiB, TiB (or kB, MB, GB, TB)");
+  int64_t bytes = 0;
+  std::string why = "must be a size such as \"512MiB\" or \"2GiB\", got \"" + text + "\"";
+  const bool blank = text.find_first_not_of(" \t\n\r") == std::string::npos;  // ByteSize's 0
+  if (!blank && ByteSize::parse(text, bytes, why)) return bytes;
+  throw_config_error("'" + what + "' " + why);
 }
 
 }  // namespace frugal

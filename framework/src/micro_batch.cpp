@@ -86,32 +86,6 @@ OomError oom_budget_below_live(int64_t budget, int64_t live, int64_t iteration) 
                   OomError::Phase::Start, iteration);
 }
 
-StepNeeds optimizer_step_needs(const torch::nn::Module& m, const torch::optim::Optimizer& opt,
-                               const OptimizerOptions& o) {
-  int64_t trainable = 0, largest = 0;
-  for (const auto& p : m.parameters()) {
-    if (!p.requires_grad()) continue;
-    trainable += static_cast<int64_t>(p.nbytes());
-    largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
-  }
-  int64_t state = 0, temps = 0;
-  const bool decay = o.weight_decay > 0;
-  if (o.name == "adam" || o.name == "adamw") {
-    state = 2 * trainable;
-    temps = 2 + (decay && o.name == "adam" ? 1 : 0);
-  } else if (o.name == "sgd") {
-    state = o.momentum > 0 ? trainable : 0;
-    temps = decay ? 1 : 0;
-  } else if (o.name == "rmsprop") {
-    state = trainable * (o.momentum > 0 ? 2 : 1);
-    temps = 1 + (decay ? 1 : 0);
-  } else {  // adagrad (its state exists from construction) and others
-    state = trainable;
-    temps = 1 + (decay ? 1 : 0);
-  }
-  return {std::max<int64_t>(0, state - optimizer_state_bytes(opt)), temps * largest};
-}
-
 bool probe_fits(const ProbeResult& r, const StepNeeds& needs, int64_t budget) {
   return !r.oom && r.peak + needs.state + kProbeSlack <= budget &&
          r.after_backward + needs.state + needs.temporaries + kProbeSlack <= budget;

@@ -1,4 +1,4 @@
-// The registries of models, losses and datasets, the built-in model zoo and the optimizers.
+// The registries of models, losses and datasets, and the built-in model zoo.
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -311,37 +311,6 @@ Dataset make_dataset(const DataOptions& o, bool train) {
   Dataset d = datasets().get(o.dataset).make(o, train);
   if (train) return d.head(o.train_samples);
   return o.valid_samples > 0 ? d.head(o.valid_samples) : d;
-}
-
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
-                                                        std::vector<torch::Tensor> params) {
-  namespace optim = torch::optim;
-  const auto betas = std::make_tuple(o.beta1, o.beta2);
-  if (o.name == "adam")
-    return std::make_unique<optim::Adam>(
-        std::move(params),
-        optim::AdamOptions(o.lr).betas(betas).eps(o.eps).weight_decay(o.weight_decay));
-  if (o.name == "adamw")
-    return std::make_unique<optim::AdamW>(
-        std::move(params),
-        optim::AdamWOptions(o.lr).betas(betas).eps(o.eps).weight_decay(o.weight_decay));
-  if (o.name == "sgd")
-    return std::make_unique<optim::SGD>(
-        std::move(params),
-        optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
-  if (o.name == "rmsprop")
-    return std::make_unique<optim::RMSprop>(
-        std::move(params),
-        optim::RMSpropOptions(o.lr).momentum(o.momentum).eps(o.eps).weight_decay(o.weight_decay));
-  if (o.name == "adagrad")
-    return std::make_unique<optim::Adagrad>(
-        std::move(params), optim::AdagradOptions(o.lr).eps(o.eps).weight_decay(o.weight_decay));
-  const std::vector<std::string> allowed = {"adam", "adamw", "sgd", "rmsprop", "adagrad"};
-  std::string msg = "unknown optimizer '" + o.name + "'";
-  const std::string near = nearest(o.name, allowed);
-  if (!near.empty()) msg += "; did you mean '" + near + "'?";
-  msg += " Allowed: adam, adamw, sgd, rmsprop, adagrad";
-  throw_config_error(msg);
 }
 
 }  // namespace frugal

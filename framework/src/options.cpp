@@ -1,10 +1,13 @@
-// Options: the limits' wording, the JSON describer and writer, and "did you mean" helpers.
+// Options: the limits' wording, byte sizes, the JSON describer and writer, the keys marked
+// outside training, and "did you mean" helpers.
 #include "frugal/options.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -34,37 +37,43 @@ class Describer : public FieldVisitor {
  public:
   explicit Describer(nlohmann::json& out) : out_(out) {}
 
-  void field(const char* key, bool& v, const char* help) override {
+  void field(const char* key, bool& v, Help help) override {
     add(key, "bool", v, help, "true or false");
   }
-  void field(const char* key, int64_t& v, const char* help, Limits l) override {
+  void field(const char* key, int64_t& v, Help help, Limits l) override {
     add(key, "int", v, help, l.describe(true));
   }
-  void field(const char* key, double& v, const char* help, Limits l) override {
+  void field(const char* key, double& v, Help help, Limits l) override {
     add(key, "float", v, help, l.describe(false));
   }
-  void field(const char* key, std::string& v, const char* help,
+  void field(const char* key, std::string& v, Help help,
              const std::vector<std::string>& choices) override {
     add(key, "string", v, help, choices.empty() ? "any string" : "one of " + join(choices, ", "));
   }
-  void field(const char* key, std::vector<std::string>& v, const char* help) override {
+  void field(const char* key, std::vector<std::string>& v, Help help) override {
     add(key, "string[]", v, help, "a list of strings");
   }
-  void table(const char* key, Options& sub, const char* help, bool*) override {
+  void field(const char* key, ByteSize& v, Help help) override {
+    add(key, "bytes", v.str(), help,
+        "a size: \"512MiB\", \"1.5GB\" or an integer of bytes; \"\" or 0 = none");
+  }
+  void table(const char* key, Options& sub, Help help, bool*) override {
     nlohmann::json fields = nlohmann::json::array();
     Describer inner(fields);
     sub.visit(inner);
-    out_.push_back({{"key", key}, {"type", "table"}, {"help", help}, {"fields", fields}});
+    out_.push_back({{"key", key}, {"type", "table"}, {"help", help.text}, {"fields", fields}});
   }
 
  private:
   template <class T>
-  void add(const char* key, const char* type, const T& v, const char* help, std::string allowed) {
-    out_.push_back({{"key", key},
-                    {"type", type},
-                    {"default", v},
-                    {"help", help},
-                    {"allowed", std::move(allowed)}});
+  void add(const char* key, const char* type, const T& v, Help help, std::string allowed) {
+    nlohmann::json f = {{"key", key},
+                        {"type", type},
+                        {"default", v},
+                        {"help", help.text},
+                        {"allowed", std::move(allowed)}};
+    if (!help.affects_training) f["affects_training"] = false;
+    out_.push_back(std::move(f));
   }
   nlohmann::json& out_;
 };
@@ -73,15 +82,15 @@ class Describer : public FieldVisitor {
 class JsonWriter : public FieldVisitor {
  public:
   explicit JsonWriter(nlohmann::json& out) : out_(out) {}
-  void field(const char* key, bool& v, const char*) override { out_[key] = v; }
-  void field(const char* key, int64_t& v, const char*, Limits) override { out_[key] = v; }
-  void field(const char* key, double& v, const char*, Limits) override { out_[key] = v; }
-  void field(const char* key, std::string& v, const char*,
-             const std::vector<std::string>&) override {
+  void field(const char* key, bool& v, Help) override { out_[key] = v; }
+  void field(const char* key, int64_t& v, Help, Limits) override { out_[key] = v; }
+  void field(const char* key, double& v, Help, Limits) override { out_[key] = v; }
+  void field(const char* key, std::string& v, Help, const std::vector<std::string>&) override {
     out_[key] = v;
   }
-  void field(const char* key, std::vector<std::string>& v, const char*) override { out_[key] = v; }
-  void table(const char* key, Options& sub, const char*, bool* present) override {
+  void field(const char* key, std::vector<std::string>& v, Help) override { out_[key] = v; }
+  void field(const char* key, ByteSize& v, Help) override { out_[key] = v.str(); }
+  void table(const char* key, Options& sub, Help, bool* present) override {
     if (present && !*present) return;  // as Config::to_toml: a stage's own optimizer only
     nlohmann::json inner = nlohmann::json::object();
     JsonWriter w(inner);
@@ -92,6 +101,40 @@ class JsonWriter : public FieldVisitor {
  private:
   nlohmann::json& out_;
 };
+
+/// The dotted keys of the fields marked outside training.
+class TrainingMarks : public FieldVisitor {
+ public:
+  TrainingMarks(std::vector<std::string>& out, std::string prefix)
+      : out_(out), prefix_(std::move(prefix)) {}
+  void field(const char* key, bool&, Help h) override { add(key, h); }
+  void field(const char* key, int64_t&, Help h, Limits) override { add(key, h); }
+  void field(const char* key, double&, Help h, Limits) override { add(key, h); }
+  void field(const char* key, std::string&, Help h, const std::vector<std::string>&) override {
+    add(key, h);
+  }
+  void field(const char* key, std::vector<std::string>&, Help h) override { add(key, h); }
+  void field(const char* key, ByteSize&, Help h) override { add(key, h); }
+  void table(const char* key, Options& sub, Help, bool*) override {
+    TrainingMarks inner(out_, dotted(key));
+    sub.visit(inner);
+  }
+
+ private:
+  std::string dotted(const char* key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
+  void add(const char* key, Help h) {
+    if (!h.affects_training) out_.push_back(dotted(key));
+  }
+  std::vector<std::string>& out_;
+  std::string prefix_;
+};
+
+/// The units ByteSize reads, lower case, with their factors.
+constexpr std::pair<const char*, double> kByteUnits[] = {
+    {"", 1},          {"b", 1},           {"kb", 1e3},           {"mb", 1e6},
+    {"gb", 1e9},      {"tb", 1e12},       {"kib", 1024.0},       {"mib", 1048576.0},
+    {"gib", 1073741824.0}, {"tib", 1099511627776.0}, {"k", 1024.0}, {"m", 1048576.0},
+    {"g", 1073741824.0}};
 
 }  // namespace
 
@@ -118,6 +161,54 @@ nlohmann::json options_to_json(Options& o) {
   JsonWriter w(out);
   o.visit(w);
   return out;
+}
+
+std::vector<std::string> keys_outside_training(Options& o, const std::string& prefix) {
+  std::vector<std::string> out;
+  TrainingMarks marks(out, prefix);
+  o.visit(marks);
+  return out;
+}
+
+bool ByteSize::parse(const std::string& text, int64_t& bytes, std::string& why) {
+  std::string s;
+  for (char c : text)
+    if (!std::isspace(static_cast<unsigned char>(c))) s += c;
+  if (s.empty()) {
+    bytes = 0;
+    return true;
+  }
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(s, &pos);
+  } catch (const std::exception&) {
+    pos = 0;
+  }
+  if (pos == 0 || value < 0 || !std::isfinite(value)) {
+    why = "must be a size such as \"512MiB\" or \"2GiB\", got \"" + text + "\"";
+    return false;
+  }
+  std::string unit = s.substr(pos);
+  std::transform(unit.begin(), unit.end(), unit.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (const auto& [name, factor] : kByteUnits)
+    if (unit == name) {
+      bytes = static_cast<int64_t>(std::llround(value * factor));
+      return true;
+    }
+  why = "has an unknown unit \"" + unit + "\"; use B, KiB, MiB, GiB, TiB (or kB, MB, GB, TB)";
+  return false;
+}
+
+std::string ByteSize::str() const {
+  if (bytes == 0) return "";
+  static const std::pair<const char*, int64_t> units[] = {
+      {"TiB", int64_t{1} << 40}, {"GiB", int64_t{1} << 30}, {"MiB", int64_t{1} << 20},
+      {"KiB", int64_t{1} << 10}};
+  for (const auto& [name, factor] : units)
+    if (bytes % factor == 0) return std::to_string(bytes / factor) + name;
+  return std::to_string(bytes) + "B";
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {

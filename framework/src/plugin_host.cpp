@@ -17,8 +17,11 @@
 #include "frugal/compat.h"
 #include "frugal/config.h"
 #include "frugal/error.h"
+#include "frugal/optimizers.h"
 #include "frugal/registry.h"
+#include "frugal/run.h"
 #include "frugal/version.h"
+#include "frugal_build_paths.h"  // generated: FRUGAL_PLUGIN_BUILD_DIR, FRUGAL_PLUGIN_INSTALL_DIR
 
 namespace fs = std::filesystem;
 
@@ -207,6 +210,21 @@ std::shared_ptr<spdlog::logger> make_logger(const std::string& name) {
   return log;
 }
 
+/// A callback made by load(), with its plugin's name, order and relations.
+struct Made {
+  std::string name;
+  std::shared_ptr<Callback> cb;
+  int order;
+  CallbackFacts facts;
+};
+
+/// The relations as the Learner checks them (Callback::relations with the declared ones).
+void check_relations(const std::vector<Made>& made) {
+  std::vector<CallbackFacts> all;
+  for (auto& m : made) all.push_back(m.facts);
+  if (const std::string v = relation_violation(all); !v.empty()) fail(v);
+}
+
 }  // namespace
 
 void to_json(nlohmann::json& j, const PluginDescription& d) {
@@ -235,6 +253,7 @@ PluginHost::~PluginHost() {
     models().remove_owner(lib->name);
     datasets().remove_owner(lib->name);
     losses().remove_owner(lib->name);
+    optimizers().remove_owner(lib->name);
   }
   // Each library unloads when its last callback dies (now, unless a Learner still holds one).
   libraries_.clear();
@@ -330,16 +349,44 @@ std::vector<std::string> PluginHost::config_paths(const toml::table& plugins,
   return out;
 }
 
+struct PluginHost::Wanted {
+  std::string name;
+  const toml::table* table = nullptr;
+  std::shared_ptr<Library> lib;
+};
+
 std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugins,
                                                         const std::string& source) {
-  for (auto& p : config_paths(plugins, source)) add_unique(search_path_, p);
+  std::vector<Wanted> wanted = wanted_plugins(plugins, source);
+  open_libraries(wanted, source);
+  const auto relations = check_conflicts(wanted);  // before any plugin code runs
+  // on_load first: a plugin's options may name an optimizer (model, ...) a plugin registers.
+  for (auto& w : wanted) run_on_load(w);
+  for (auto& w : wanted) read_plugin_options(w, source);
+  return create_callbacks(wanted, relations);
+}
 
-  // 1. Which plugins are on: [plugins.<name>] tables, `enabled` checked here.
-  struct Wanted {
-    std::string name;
-    const toml::table* table;
-    std::shared_ptr<Library> lib;
-  };
+void PluginHost::register_plugins(const toml::table& plugins, const std::string& source) {
+  std::vector<Wanted> wanted = wanted_plugins(plugins, source);
+  open_libraries(wanted, source);
+  for (auto& w : wanted) run_on_load(w);
+}
+
+std::vector<std::string> PluginHost::keys_outside_training() const {
+  std::vector<std::string> out;
+  for (const auto& name : loaded_names_)
+    for (const auto& lib : libraries_)
+      if (lib->name == name && !lib->options.empty())
+        for (auto& k : frugal::keys_outside_training(*lib->options.back(), "plugins." + name))
+          out.push_back(std::move(k));
+  return out;
+}
+
+/// The [plugins.<name>] tables turned on (`enabled` checked here); `[plugins] path` folders
+/// join the search path.
+std::vector<PluginHost::Wanted> PluginHost::wanted_plugins(const toml::table& plugins,
+                                                           const std::string& source) {
+  for (auto& p : config_paths(plugins, source)) add_unique(search_path_, p);
   std::vector<Wanted> wanted;
   for (auto&& [key, node] : plugins) {
     const std::string name(key.str());
@@ -356,15 +403,15 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
     }
     wanted.push_back({name, t, nullptr});
   }
+  return wanted;
+}
 
-  // 2. Find, open and check each library; read its options (every key, with line:column).
-  std::vector<std::pair<std::string, fs::path>> found;
-  bool scanned = false;
+/// Finds, opens and checks each library (not found: the available plugins, the nearest name
+/// and the folders searched).
+void PluginHost::open_libraries(std::vector<Wanted>& wanted, const std::string& source) {
+  if (wanted.empty()) return;
+  const std::vector<std::pair<std::string, fs::path>> found = scan(search_path_);
   for (auto& w : wanted) {
-    if (!scanned) {
-      found = scan(search_path_);
-      scanned = true;
-    }
     auto it = std::find_if(found.begin(), found.end(), [&](const auto& f) { return f.first == w.name; });
     if (it == found.end()) {
       std::vector<std::string> names;
@@ -382,17 +429,11 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
     w.lib = Library::open(w.name, it->second.string(), libraries_);
     if (std::find(libraries_.begin(), libraries_.end(), w.lib) == libraries_.end())
       libraries_.push_back(w.lib);
-    Library& lib = *w.lib;
-    const std::string who = "plugin '" + w.name + "' (" + lib.path + ")";
-    std::unique_ptr<Options> opts = guarded(who + ": make_options", [&] { return lib.api->make_options(); });
-    if (!opts) fail(who + ": make_options returned null");
-    WithEnabled all(*opts);
-    guarded(who + ": reading [plugins." + w.name + "]",
-            [&] { read_options(*w.table, all, "plugins." + w.name, source); });
-    lib.options.push_back(std::move(opts));
   }
+}
 
-  // 3. Conflicts, before any plugin code runs.
+/// Each plugin's relations; throws when two plugins that are on conflict.
+std::map<std::string, PluginRelations> PluginHost::check_conflicts(const std::vector<Wanted>& wanted) {
   std::map<std::string, PluginRelations> relations;
   for (auto& w : wanted)
     if (w.lib->api->relations)
@@ -401,24 +442,40 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
   std::vector<CallbackFacts> declared;
   for (auto& w : wanted) declared.push_back({w.name, 0, false, relations[w.name]});
   if (const std::string v = conflict_violation(declared); !v.empty()) fail(v);
+  return relations;
+}
 
-  // 4. on_load (once per library), then the callbacks.
-  struct Made {
-    std::string name;
-    std::shared_ptr<Callback> cb;
-    int order;
-    CallbackFacts facts;
-  };
+/// on_load, once per library; the host's destructor removes whatever it registered.
+void PluginHost::run_on_load(Wanted& w) {
+  Library& lib = *w.lib;
+  if (!lib.logger) lib.logger = make_logger(w.name);
+  if (!lib.api->on_load || lib.on_load_ran) return;
+  lib.on_load_ran = true;  // set first: the destructor cleans up even if on_load threw
+  const PluginContext ctx{w.name, lib.logger};
+  guarded("plugin '" + w.name + "' failed in on_load", [&] { lib.api->on_load(ctx); });
+}
+
+/// The plugin's options, read from its table (every key, with line:column).
+void PluginHost::read_plugin_options(Wanted& w, const std::string& source) {
+  Library& lib = *w.lib;
+  const std::string who = "plugin '" + w.name + "' (" + lib.path + ")";
+  std::unique_ptr<Options> opts = guarded(who + ": make_options", [&] { return lib.api->make_options(); });
+  if (!opts) fail(who + ": make_options returned null");
+  WithEnabled all(*opts);
+  guarded(who + ": reading [plugins." + w.name + "]",
+          [&] { read_options(*w.table, all, "plugins." + w.name, source); });
+  lib.options.push_back(std::move(opts));
+}
+
+/// The callbacks, then their relations as the Learner checks them (runs_before, conflicts,
+/// innermost_forward); sorted by order().
+std::vector<std::shared_ptr<Callback>> PluginHost::create_callbacks(
+    std::vector<Wanted>& wanted, const std::map<std::string, PluginRelations>& relations) {
   std::vector<Made> made;
   for (auto& w : wanted) {
     Library& lib = *w.lib;
-    if (!lib.logger) lib.logger = make_logger(w.name);
     const PluginContext ctx{w.name, lib.logger};
     const std::string who = "plugin '" + w.name + "'";
-    if (lib.api->on_load && !lib.on_load_ran) {
-      lib.on_load_ran = true;  // the destructor removes whatever it registered, even if it threw
-      guarded(who + " failed in on_load", [&] { lib.api->on_load(ctx); });
-    }
     std::unique_ptr<Callback> raw =
         guarded(who + " failed to start", [&] { return lib.api->create(*lib.options.back(), ctx); });
     if (!raw) fail(who + " failed to start: its factory returned null");
@@ -426,22 +483,30 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
     std::shared_ptr<Callback> cb(raw.release(), [keep = w.lib](Callback* c) { delete c; });
     CallbackFacts facts = guarded(who + ": order() or relations()", [&] { return facts_of(*cb); });
     facts.name = w.name;  // relations name plugins
-    for (auto& b : relations[w.name].runs_before) facts.relations.runs_before.push_back(b);
-    for (auto& b : relations[w.name].conflicts) facts.relations.conflicts.push_back(b);
+    if (auto it = relations.find(w.name); it != relations.end()) {
+      for (auto& b : it->second.runs_before) facts.relations.runs_before.push_back(b);
+      for (auto& b : it->second.conflicts) facts.relations.conflicts.push_back(b);
+    }
     made.push_back({w.name, std::move(cb), facts.order, std::move(facts)});
   }
-
-  // 5. The relations as the Learner checks them (Callback::relations with the declared ones).
-  std::vector<CallbackFacts> all;
-  for (auto& m : made) all.push_back(m.facts);
-  if (const std::string v = relation_violation(all); !v.empty()) fail(v);
-
+  check_relations(made);
   std::stable_sort(made.begin(), made.end(), [](const Made& x, const Made& y) { return x.order < y.order; });
   std::vector<std::shared_ptr<Callback>> out;
   for (auto& m : made) {
     loaded_names_.push_back(m.name);
     out.push_back(std::move(m.cb));
   }
+  return out;
+}
+
+ConfigWithPlugins load_config_with_plugins(const std::string& path,
+                                           const std::vector<std::string>& overrides) {
+  ConfigWithPlugins out;
+  const toml::table plugins = read_plugins_table(path, overrides);
+  out.host = std::make_unique<PluginHost>(PluginHost::config_paths(plugins, path));
+  out.callbacks = out.host->load(plugins, path);
+  out.config = load_config(path, overrides);
+  check_config(out.config);
   return out;
 }
 

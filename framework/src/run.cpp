@@ -103,7 +103,7 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
   learner->set_warmup_batches(c.run.warmup);
   if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   OomPolicy oom;
-  oom.budget = c.run.memory_budget_bytes();
+  oom.budget = c.run.memory_budget.bytes;
   oom.retry = c.run.on_oom == "retry";
   oom.max_retries = c.run.oom_retries;
   oom.auto_micro_batch = c.run.micro_batch == "auto";
@@ -147,18 +147,30 @@ void flatten(const toml::node& n, const std::string& key, std::map<std::string, 
   }
 }
 
-bool may_differ(const std::string& key) {
-  for (const char* k : {"run.out_dir", "run.device", "run.threads", "run.progress", "run.log_every",
-                        "run.max_steps",
-                        // memory settings: micro-batches keep the step's gradients
-                        "run.memory_budget", "run.on_oom", "run.oom_retries", "run.micro_batch"})
-    if (key == k) return true;
-  return key.rfind("run.checkpoint_", 0) == 0;
+/// The keys in which `now` differs from `saved`, leaving out those in `free`.
+std::vector<std::string> training_diffs(const std::map<std::string, std::string>& saved,
+                                        const std::map<std::string, std::string>& now,
+                                        const std::set<std::string>& free,
+                                        const std::string& source) {
+  std::vector<std::string> diffs;
+  for (const auto& [k, v] : saved) {
+    if (free.count(k)) continue;
+    auto it = now.find(k);
+    if (it == now.end())
+      diffs.push_back(k + " (checkpoint " + v + ", not in " + source + ")");
+    else if (it->second != v)
+      diffs.push_back(k + " (checkpoint " + v + ", " + source + " " + it->second + ")");
+  }
+  for (const auto& [k, v] : now)
+    if (!free.count(k) && !saved.count(k))
+      diffs.push_back(k + " (not in the checkpoint, " + source + " " + v + ")");
+  return diffs;
 }
 
 }  // namespace
 
-void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path) {
+void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path,
+                         const std::vector<std::string>& plugin_keys_outside_training) {
   if (!info.is_object() || !info.contains("config") || !info["config"].is_string())
     throw ConfigError("checkpoint '" + path + "' holds no run config; it was not written by "
                       "`frugal train` and cannot be resumed with --resume");
@@ -170,17 +182,10 @@ void check_resume_config(const Config& c, const nlohmann::json& info, const std:
                       std::string(e.description()));
   }
   flatten(toml::parse(c.to_toml()), "", now);
-  std::vector<std::string> diffs;
-  for (const auto& [k, v] : saved) {
-    if (may_differ(k)) continue;
-    auto it = now.find(k);
-    if (it == now.end())
-      diffs.push_back(k + " (checkpoint " + v + ", not in " + c.source + ")");
-    else if (it->second != v)
-      diffs.push_back(k + " (checkpoint " + v + ", " + c.source + " " + it->second + ")");
-  }
-  for (const auto& [k, v] : now)
-    if (!may_differ(k) && !saved.count(k)) diffs.push_back(k + " (not in the checkpoint, " + c.source + " " + v + ")");
+  std::set<std::string> free;
+  for (const auto& k : c.keys_outside_training()) free.insert(k);
+  for (const auto& k : plugin_keys_outside_training) free.insert(k);
+  const std::vector<std::string> diffs = training_diffs(saved, now, free, c.source);
   if (diffs.empty()) return;
   std::string list;
   for (size_t i = 0; i < diffs.size() && i < 8; ++i) list += "\n  " + diffs[i];

@@ -1,14 +1,18 @@
 #pragma once
-// auto_purge's testable part: the stage-transition contract. After a purge, live memory should
-// be what the next stage starts from — parameters and buffers, the datasets held in memory,
-// what the user asked to keep — within a tolerance; whatever is over it is attributed.
-#include <algorithm>
+/// auto_purge: at every stage change (freeze/unfreeze, image size, a new optimizer) and when the
+/// fit ends, releases what the last stage left behind — batch, prediction and loss, gradients,
+/// optimizer state, autocast's cast cache, the CUDA caching allocator's free blocks — like
+/// fastai's Learner.purge, optionally saving and reloading the model to compact it (fastai v1).
+/// Then checks the stage-transition contract: live memory should be what the next stage starts
+/// from — parameters and buffers, the datasets held in memory, what the user asked to keep —
+/// within a tolerance; whatever is over it is attributed.
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <frugal/memory.h>
+#include <frugal/learner.h>
+#include <frugal/plugin.h>
 
 namespace frugal::auto_purge {
 
@@ -31,39 +35,61 @@ struct Residual {
   int64_t over() const { return live - allowed(); }
   bool ok() const { return over() <= tolerance; }
   /// Bytes over the baseline that no category explains.
-  int64_t other() const {
-    int64_t known = gradients + (optimizer_state - kept_optimizer);
-    for (const auto& c : callbacks) known += c.second;
-    return std::max<int64_t>(0, over() - known);
-  }
+  int64_t other() const;
 };
 
 /// "live 1.2 MiB = parameters 1.0 MiB + data 200 KiB + 12 B": one line for the log.
-inline std::string summary(const Residual& r) {
-  std::string s = "live " + format_bytes(r.live) + " = parameters and buffers " +
-                  format_bytes(r.parameters) + " + data " + format_bytes(r.data);
-  if (r.kept_optimizer) s += " + kept optimizer state " + format_bytes(r.kept_optimizer);
-  if (r.keep) s += " + keep " + format_bytes(r.keep);
-  const int64_t over = r.over();
-  s += over >= 0 ? " + " + format_bytes(over) : " - " + format_bytes(-over);
-  return s;
-}
+std::string summary(const Residual& r);
 
 /// The warning when the contract does not hold: how much is over, and what holds it.
-inline std::string explain(const Residual& r, const std::string& where) {
-  std::string s = "after the purge at " + where + ", live memory is " + format_bytes(r.over()) +
-                  " over the stage baseline (" + summary(r) + "; tolerance " +
-                  format_bytes(r.tolerance) + "). Still held:";
-  std::string held;
-  auto add = [&](const std::string& what, int64_t bytes) {
-    if (bytes > 0) held += (held.empty() ? " " : ", ") + what + " " + format_bytes(bytes);
-  };
-  add("gradients", r.gradients);
-  add("optimizer state", r.optimizer_state - r.kept_optimizer);
-  for (const auto& [name, bytes] : r.callbacks) add("callback '" + name + "'", bytes);
-  add("other (not attributed: tensors kept outside the Learner)", r.other());
-  if (held.empty()) held = " nothing attributable";
-  return s + held + ". Raise plugins.auto_purge.keep if this is meant to stay";
-}
+std::string explain(const Residual& r, const std::string& where);
+
+/// [plugins.auto_purge]: TOML keys are the field names (check_contract's is "check").
+struct AutoPurgeOptions : frugal::Options {
+  bool clear_opt = true;         ///< default true (fastai)
+  bool after_fit = true;         ///< default true
+  bool defrag = false;           ///< default false
+  std::string defrag_dir;        ///< default "": the system's temp folder
+  bool check_contract = true;    ///< key "check"; default true
+  frugal::ByteSize keep;         ///< default 0
+  frugal::ByteSize tolerance{1 << 20};  ///< default "1MiB"
+
+  void visit(frugal::FieldVisitor& v) override;
+};
+
+/// The callback: a purge at every stage change and at the end of the fit, then the check.
+class AutoPurge : public frugal::Callback {
+ public:
+  AutoPurge(const AutoPurgeOptions& o, const frugal::PluginContext& ctx);
+  std::string name() const override { return "auto_purge"; }
+  /// Early in before_* (after optim_swap, order::kOptimizerSwap, so a swapped optimizer is
+  /// seen), late in after_* (the fit-end purge runs after the other callbacks' after_fit).
+  int order() const override { return frugal::order::kPurge; }
+
+  void before_fit(frugal::Learner& l) override;
+  /// Every stage after the first starts from a purge; so does a first stage whose optimizer
+  /// was replaced (optim_swap at the first stage).
+  void before_stage(frugal::Learner& l) override;
+  /// An optimizer replaced at an epoch boundary (optim_swap at_epoch): a full purge is safe here.
+  void before_epoch(frugal::Learner& l) override;
+  /// An optimizer replaced between batches: the batch is loaded and gradients may be
+  /// accumulating, so only the allocator's cache goes (the old state is already freed).
+  void before_batch(frugal::Learner& l) override;
+  void after_fit(frugal::Learner& l) override;
+
+ private:
+  void purge(frugal::Learner& l, const std::string& where);
+  Residual measure(frugal::Learner& l) const;
+  /// Save and reload: each parameter gets a fresh allocation (made right after the purge
+  /// emptied the cache, so they pack). The temp file is removed whatever happens.
+  void defragment(frugal::Learner& l);
+
+  AutoPurgeOptions o_;
+  int64_t keep_, tolerance_;
+  std::shared_ptr<spdlog::logger> log_;
+  int64_t changes_ = 0;
+  int64_t released_ = 0;
+  int64_t defrags_ = 0;
+};
 
 }  // namespace frugal::auto_purge

@@ -96,9 +96,10 @@ TEST(ConfigErrors, FloatWhereIntegerIsExpectedIsRejected) {
 }
 
 TEST(ConfigLoad, IntegerWhereFloatIsExpectedIsAccepted) {
-  const Config c = parse_config("[optimizer]\nlr = 1\nmomentum = 0\n", "cfg.toml");
+  const Config c =
+      parse_config("[optimizer]\nname = \"sgd\"\nlr = 1\nmomentum = 0\n", "cfg.toml");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1.0);
-  EXPECT_DOUBLE_EQ(c.optimizer.momentum, 0.0);
+  EXPECT_DOUBLE_EQ(c.optimizer.get<double>("momentum"), 0.0);
 }
 
 TEST(ConfigErrors, OutOfRangeNamesLimitAndValue) {
@@ -123,7 +124,7 @@ TEST(ConfigErrors, ChoiceErrorListsChoicesAndSuggests) {
             "cfg.toml:2:10: 'run.device' must be one of cpu, cuda, auto; got \"gpu\"; did you "
             "mean \"cpu\"?");
   EXPECT_EQ(config_error("[optimizer]\nname = \"lamb\"\n"),
-            "cfg.toml:2:8: 'optimizer.name' must be one of adam, adamw, sgd, rmsprop, adagrad; "
+            "cfg.toml:2:8: 'optimizer.name' must be one of adagrad, adam, adamw, rmsprop, sgd; "
             "got \"lamb\"");
   EXPECT_EQ(config_error("[run]\nprogress = 1\n"),
             "cfg.toml:2:12: 'run.progress' must be one of auto, bar, log, none; got integer 1");
@@ -254,7 +255,7 @@ TEST(ConfigStages, StageOptimizerInheritsGlobalOptimizer) {
   const StageOptions& finetune = c.stages[1];
   EXPECT_TRUE(finetune.has_optimizer);
   EXPECT_EQ(finetune.optimizer.name, "sgd");  // inherited
-  EXPECT_DOUBLE_EQ(finetune.optimizer.momentum, 0.9);  // inherited
+  EXPECT_DOUBLE_EQ(finetune.optimizer.get<double>("momentum"), 0.9);  // inherited
   EXPECT_DOUBLE_EQ(finetune.optimizer.lr, 0.01);  // its own
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.1);  // the global one is untouched
 }
@@ -307,7 +308,7 @@ TEST(ConfigLoad, DefaultsWhenSectionsAreAbsent) {
   // A key set in one section leaves the others' defaults alone.
   const Config d = parse_config("[optimizer]\nlr = 0.5\n", "cfg.toml");
   EXPECT_DOUBLE_EQ(d.optimizer.lr, 0.5);
-  EXPECT_DOUBLE_EQ(d.optimizer.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(d.optimizer.get<double>("beta2"), 0.999);
   EXPECT_DOUBLE_EQ(d.stages[0].optimizer.lr, 0.5);  // the default stage inherits too
 }
 
@@ -484,6 +485,77 @@ TEST(OptionsRead, ReadOptionsFillsPresentKeysAndKeepsDefaults) {
   } catch (const ConfigError& e) {
     EXPECT_EQ(std::string(e.what()), "p.toml:3:1: 'plugins.ema.every' must be <= 100");
   }
+}
+
+// ---- byte sizes: read once, errors at the value ----
+
+TEST(ByteSizeField, ReadsUnitsIntegersAndNone) {
+  EXPECT_EQ(parse_config("[run]\nmemory_budget = \"2.5MiB\"\n", "cfg.toml").run.memory_budget.bytes,
+            2621440);
+  EXPECT_EQ(parse_config("[run]\nmemory_budget = \"1.5GB\"\n", "cfg.toml").run.memory_budget.bytes,
+            1500000000);
+  EXPECT_EQ(parse_config("[run]\nmemory_budget = 1000\n", "cfg.toml").run.memory_budget.bytes, 1000);
+  EXPECT_EQ(parse_config("[run]\nmemory_budget = \"\"\n", "cfg.toml").run.memory_budget.bytes, 0);
+  EXPECT_EQ(parse_config("[run]\nmemory_budget = 0\n", "cfg.toml").run.memory_budget.bytes, 0);
+  EXPECT_EQ(parse_config("", "cfg.toml", {"run.memory_budget=3GiB"}).run.memory_budget.bytes,
+            3LL << 30);
+}
+
+TEST(ByteSizeField, WritesTheShortestExactTextThatReadsBack) {
+  EXPECT_EQ(ByteSize{0}.str(), "");
+  EXPECT_EQ(ByteSize{1 << 20}.str(), "1MiB");
+  EXPECT_EQ(ByteSize{2621440}.str(), "2560KiB");
+  EXPECT_EQ(ByteSize{3LL << 30}.str(), "3GiB");
+  EXPECT_EQ(ByteSize{1500000000}.str(), "1500000000B");
+  Config c = parse_config("[run]\nmemory_budget = \"2.5MiB\"\n", "cfg.toml");
+  const std::string text = c.to_toml();
+  EXPECT_NE(text.find("memory_budget = '2560KiB'"), std::string::npos) << text;
+  EXPECT_EQ(parse_config(text, "resolved.toml").run.memory_budget.bytes, 2621440);
+  EXPECT_NE(parse_config("", "cfg.toml").to_toml().find("memory_budget = ''"), std::string::npos);
+}
+
+TEST(ByteSizeField, ABadValueIsReportedAtTheValueOrTheOverride) {
+  EXPECT_EQ(config_error("[run]\nseed = 1\n\n\n\nmemory_budget = \"lots\"\n"),
+            "cfg.toml:6:17: 'run.memory_budget' must be a size such as \"512MiB\" or \"2GiB\", "
+            "got \"lots\"");
+  EXPECT_EQ(config_error("[run]\nmemory_budget = \"lots\"\n", {"run.memory_budget=2 parsecs"}),
+            "--set run.memory_budget=2 parsecs: 'run.memory_budget' has an unknown unit "
+            "\"parsecs\"; use B, KiB, MiB, GiB, TiB (or kB, MB, GB, TB)");
+  EXPECT_EQ(config_error("[run]\nmemory_budget = -5\n"),
+            "cfg.toml:2:17: 'run.memory_budget' must be a size such as \"512MiB\" or \"2GiB\", or "
+            "an integer of bytes >= 0, got -5");
+  EXPECT_EQ(config_error("[run]\nmemory_budget = true\n"),
+            "cfg.toml:2:17: 'run.memory_budget' must be a size such as \"512MiB\" or \"2GiB\", or "
+            "an integer of bytes, got boolean true");
+}
+
+TEST(ByteSizeField, DescribedAsBytes) {
+  RunOptions run;
+  run.memory_budget.bytes = 64 << 20;
+  const nlohmann::json fields = describe_options(run);
+  const auto* f = find_key(fields, "memory_budget");
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ((*f)["type"], "bytes");
+  EXPECT_EQ((*f)["default"], "64MiB");
+  EXPECT_EQ((*f)["affects_training"], false);
+  EXPECT_FALSE(find_key(fields, "seed")->contains("affects_training"));
+}
+
+/// Plugin-style options with a mark and a size.
+struct MarkedOptions : Options {
+  double decay = 0.9;
+  ByteSize report_over{1024};
+  void visit(FieldVisitor& v) override {
+    v.field("decay", decay, "decay", half_open(0, 1));
+    v.field("report_over", report_over, outside_training("log above this"));
+  }
+};
+
+TEST(OptionsMarks, KeysOutsideTrainingListsTheMarkedFieldsUnderThePrefix) {
+  MarkedOptions o;
+  EXPECT_EQ(keys_outside_training(o, "plugins.x"), std::vector<std::string>{"plugins.x.report_over"});
+  StageOptions stage;
+  EXPECT_TRUE(keys_outside_training(stage, "stages.0").empty());
 }
 
 }  // namespace

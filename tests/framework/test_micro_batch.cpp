@@ -183,33 +183,5 @@ TEST(OomProbeSearch, AProbeFitsWithRoomForTheStep) {
   EXPECT_FALSE(probe_fits({true, 0, 0}, needs, 1 << 30));
 }
 
-TEST(OomProbeSearch, StepNeedsCountTheOptimizerStateStillToCome) {
-  torch::nn::Sequential m(torch::nn::Linear(10, 20));  // 800 + 80 bytes of parameters
-  const int64_t trainable = 880, largest = 800;
-  auto needs = [&](const std::string& name, double decay, double momentum) {
-    OptimizerOptions o;
-    o.name = name;
-    o.weight_decay = decay;
-    o.momentum = momentum;
-    auto opt = make_optimizer(o, m->parameters());
-    return optimizer_step_needs(*m, *opt, o);
-  };
-  EXPECT_EQ(needs("sgd", 0, 0).state, 0);
-  EXPECT_EQ(needs("sgd", 0, 0).temporaries, 0);
-  EXPECT_EQ(needs("sgd", 0, 0.9).state, trainable);
-  EXPECT_EQ(needs("adam", 0, 0).state, 2 * trainable);
-  EXPECT_EQ(needs("adam", 0, 0).temporaries, 2 * largest);
-  EXPECT_EQ(needs("adam", 0.1, 0).temporaries, 3 * largest);
-  EXPECT_EQ(needs("adamw", 0.1, 0).temporaries, 2 * largest);
-
-  // State that exists already is not counted again.
-  OptimizerOptions adam;
-  adam.name = "adam";
-  auto opt = make_optimizer(adam, m->parameters());
-  m->forward(torch::ones({2, 10})).sum().backward();
-  opt->step();
-  EXPECT_EQ(optimizer_step_needs(*m, *opt, adam).state, 0);
-}
-
 }  // namespace
 }  // namespace frugal::test

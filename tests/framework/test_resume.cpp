@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -106,7 +107,7 @@ std::vector<Stage> three_stages() {
   b.has_optimizer = true;  // the second stage switches to SGD with momentum
   b.optimizer.name = "sgd";
   b.optimizer.lr = 0.05;
-  b.optimizer.momentum = 0.9;
+  b.optimizer.set("momentum", 0.9);
   Stage c = make_stage("tail", 1);  // keeps the second stage's SGD
   return {a, b, c};
 }
@@ -421,6 +422,66 @@ TEST(ResumeCli, ResumeRefusesAnotherConfigAndAMissingCheckpoint) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("last.ckpt' is unreadable"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("training mlp"), std::string::npos) << r.output;
+}
+
+// ---- keys marked outside training may differ on --resume; every other key may not ----
+
+/// The ConfigError check_resume_config throws for `now` against a checkpoint of `saved`; ""
+/// when it accepts.
+std::string resume_error(const std::string& saved, const std::string& now,
+                         const std::vector<std::string>& plugin_keys = {}) {
+  const Config a = parse_config(saved, "a.toml");
+  const Config b = parse_config(now, "b.toml");
+  try {
+    check_resume_config(b, checkpoint_info(a), "last.ckpt", plugin_keys);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ResumeConfig, TheMarkedRunKeysAreExactlyTheOnesThatMayDiffer) {
+  std::vector<std::string> keys = Config{}.keys_outside_training();
+  std::sort(keys.begin(), keys.end());
+  EXPECT_EQ(keys, (std::vector<std::string>{
+                      "run.checkpoint_epochs", "run.checkpoint_every", "run.device",
+                      "run.log_every", "run.max_steps", "run.memory_budget", "run.micro_batch",
+                      "run.on_oom", "run.oom_retries", "run.out_dir", "run.progress",
+                      "run.threads"}));
+}
+
+TEST(ResumeConfig, AKeyMarkedOutsideTrainingMayDifferAnyOtherMayNot) {
+  auto config = [](const std::string& run_key) {
+    return "[run]\nwarmup = 2\n" + run_key + "\n[optimizer]\nlr = 0.01\n";
+  };
+  const std::string base = config("log_every = 10");
+  EXPECT_EQ(resume_error(base, base), "");
+  for (const char* free : {"log_every = 99", "memory_budget = \"1GiB\"", "threads = 3",
+                           "out_dir = \"elsewhere\"", "checkpoint_every = 5", "on_oom = \"retry\""})
+    EXPECT_EQ(resume_error(base, config(free)), "") << free;
+  for (const char* bound : {"seed = 1", "trace = \"t.json\"", "log_every = 10\nwarmup = 3"}) {
+    const std::string now = std::string(bound).find("warmup") != std::string::npos
+                                ? "[run]\nlog_every = 10\nwarmup = 3\n[optimizer]\nlr = 0.01\n"
+                                : config("log_every = 10\n" + std::string(bound));
+    EXPECT_NE(resume_error(base, now).find("key(s) that change the training"), std::string::npos)
+        << bound;
+  }
+  EXPECT_NE(resume_error(base, config("log_every = 10\n[data]\nbatch_size = 64"))
+                .find("data.batch_size (checkpoint 128, b.toml 64)"),
+            std::string::npos);
+  EXPECT_NE(resume_error(base, "[run]\nwarmup = 2\nlog_every = 10\n[optimizer]\nlr = 0.02\n")
+                .find("optimizer.lr (checkpoint 0.01, b.toml 0.02)"),
+            std::string::npos);
+}
+
+TEST(ResumeConfig, APluginKeyMayDifferWhenThePluginMarksIt) {
+  const std::string a = "[plugins.detach_loss]\nthreshold = \"1KiB\"\n";
+  const std::string b = "[plugins.detach_loss]\nthreshold = \"4KiB\"\n";
+  EXPECT_NE(resume_error(a, b).find("plugins.detach_loss.threshold"), std::string::npos);
+  EXPECT_EQ(resume_error(a, b, {"plugins.detach_loss.threshold"}), "");
+  EXPECT_NE(resume_error(a, b + "detach = false\n", {"plugins.detach_loss.threshold"})
+                .find("plugins.detach_loss.detach"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "frugal/plugin_host.h"
+#include "frugal/run.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
 
@@ -235,6 +236,51 @@ TEST(PluginHost, OnLoadRegistersAModelUntilTheHostIsDestroyed) {
     EXPECT_EQ(model->forward(torch::zeros({2, 1, 8, 8})).sizes(), (std::vector<int64_t>{2, 3}));
   }
   EXPECT_FALSE(models().contains("fixture_mlp"));
+}
+
+TEST(PluginHost, APluginsOptimizerIsNamedByTheConfigAndByOptimSwapsTarget) {
+  TempDir dir;
+  std::ofstream(dir.file("run.toml")) <<
+             "[data]\ndataset = \"synthetic\"\nsamples = 64\nimage_size = 8\nclasses = 4\n"
+             "batch_size = 16\nvalid_samples = -1\n[model]\narch = \"mlp\"\nwidth = 16\n"
+             "[run]\ndevice = \"cpu\"\nprogress = \"none\"\n"
+             "[optimizer]\nname = \"fixture_sgd\"\nlr = 0.01\ndampening = 0.1\n"
+             "[[stages]]\nname = \"a\"\nepochs = 2\n"
+             "[plugins]\npath = \"" + kFixtures + "\"\n[plugins.fixture_models]\n"
+             "[plugins.optim_swap]\nat_epoch = 1\n"
+             "to = { name = \"fixture_sgd\", lr = 0.05, momentum = 0.5, dampening = 0.25 }\n";
+  ASSERT_FALSE(optimizers().contains("fixture_sgd"));
+  {
+    // Plugins load before the rest of the config is read: [optimizer] may name fixture_sgd.
+    ConfigWithPlugins loaded = load_config_with_plugins(dir.file("run.toml"));
+    EXPECT_EQ(loaded.config.optimizer.name, "fixture_sgd");
+    EXPECT_DOUBLE_EQ(loaded.config.optimizer.get<double>("dampening"), 0.1);
+    EXPECT_DOUBLE_EQ(loaded.config.optimizer.get<double>("momentum"), 0.9);  // its default
+    auto l = make_learner(loaded.config);
+    for (auto& cb : loaded.callbacks) l->add_callback(cb);
+    const auto& first = static_cast<torch::optim::SGDOptions&>(l->optimizer().param_groups()[0].options());
+    EXPECT_DOUBLE_EQ(first.dampening(), 0.1);
+    l->fit(loaded.config.stages);
+    // optim_swap swapped to its `to`, the plugin's optimizer with its own keys.
+    EXPECT_EQ(l->optimizer_changes(), 1);
+    EXPECT_EQ(l->optimizer_options().name, "fixture_sgd");
+    const auto& now = static_cast<torch::optim::SGDOptions&>(l->optimizer().param_groups()[0].options());
+    EXPECT_DOUBLE_EQ(now.lr(), 0.05);
+    EXPECT_DOUBLE_EQ(now.momentum(), 0.5);
+    EXPECT_DOUBLE_EQ(now.dampening(), 0.25);
+    l->clear_callbacks();
+  }
+  EXPECT_FALSE(optimizers().contains("fixture_sgd")) << "removed before the library unloads";
+  // Without the plugin the name is unknown, and the error lists what is registered.
+  try {
+    load_config(dir.file("run.toml"));
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'optimizer.name' must be one of adagrad, adam, adamw, "
+                                         "rmsprop, sgd; got \"fixture_sgd\""),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(PluginHost, ConflictingPluginsAreRefusedBeforeAnyRuns) {

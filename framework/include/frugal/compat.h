@@ -27,8 +27,6 @@
 
 namespace frugal::compat {
 
-inline constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
-inline constexpr int kTorchMinor = TORCH_VERSION_MINOR;
 inline const char* torch_version() { return TORCH_VERSION; }
 
 /// Turns autocast on or off for a device type, with the given lower-precision dtype.

@@ -24,14 +24,15 @@ struct RunOptions : Options {
   int64_t checkpoint_epochs = 0;       ///< epochs between checkpoints; 0 = off
   int64_t warmup = 2;                  ///< batches per stage left out of the step-time statistics
   std::string trace;                   ///< Chrome-trace JSON of phases and live memory; "" = off
-  std::string memory_budget;           ///< "1GiB"; "" = none (parse with memory_budget_bytes)
+  ByteSize memory_budget;              ///< "1GiB"; default none
   std::string on_oom = "fail";         ///< fail | retry
   int64_t oom_retries = 4;             ///< retry: out-of-memory errors allowed on one batch
   std::string micro_batch = "off";     ///< off | auto (the largest that fits memory_budget)
   void visit(FieldVisitor& v) override;
   void check() const override;
-  /// memory_budget in bytes (0 = none).
-  int64_t memory_budget_bytes() const;
+
+ private:
+  void visit_memory(FieldVisitor& v);
 };
 
 struct DataOptions : Options {
@@ -61,15 +62,56 @@ struct ModelOptions : Options {
   void check() const override;
 };
 
+/// [optimizer]: the keys every optimizer takes (name, lr, weight_decay) and the keys of the one
+/// `name` chooses (adam: beta1, beta2, eps; sgd: momentum; ...). Each optimizer declares its
+/// own keys in its registry entry (optimizers.h); the reader reads them from the same table
+/// once `name` is known. Their values are kept as TOML values in `own`, so a config holds no
+/// object made by a plugin.
 struct OptimizerOptions : Options {
-  std::string name = "adam";  ///< adam | adamw | sgd | rmsprop | adagrad
+  std::string name = "adam";  ///< a registered optimizer (optimizers.h): adam, adamw, sgd, ...
   double lr = 1e-3;
   double weight_decay = 0.0;
-  double momentum = 0.0;  ///< sgd, rmsprop
-  double beta1 = 0.9;     ///< adam, adamw
-  double beta2 = 0.999;
-  double eps = 1e-8;
+  /// The optimizer's own keys that have a value; an absent key has the optimizer's default.
+  /// visit() keeps it to the keys of `name`: after a change of name, a key the new optimizer
+  /// also has keeps its value (a stage inherits [optimizer]'s), the others are dropped.
+  toml::table own;
+
   void visit(FieldVisitor& v) override;
+  std::string unknown_key_note(const std::string& key) const override;
+
+  /// Sets one of the optimizer's own keys, checked as the TOML reader checks it:
+  /// `o.set("momentum", 0.9)`. Throws ConfigError naming the optimizer and its keys.
+  template <class T>
+  OptimizerOptions& set(const std::string& key, T value) {
+    toml::table t;
+    t.insert_or_assign(key, std::move(value));
+    return set_own(t);
+  }
+  /// Sets several of its own keys from a table, checked.
+  OptimizerOptions& set_own(const toml::table& keys);
+  /// The value of one of its own keys, the optimizer's default when unset:
+  /// `o.get<double>("momentum")`. Throws ConfigError when it has no such key.
+  template <class T>
+  T get(const std::string& key) const {
+    const toml::table all = own_keys();
+    if (auto v = all[key].value<T>()) return *v;
+    no_such_key(key);
+  }
+  /// `own` with every default of the optimizer filled in.
+  toml::table own_keys() const;
+  /// The optimizer's own Options (the type its registry entry makes) with the values of `own`:
+  /// what an entry's build reads. Keys of another optimizer are left out.
+  template <class T>
+  T own_as() const {
+    T t;
+    read_own(t);
+    return t;
+  }
+  /// Reads the values of `own` into `into`; a value `into` refuses throws ConfigError.
+  void read_own(Options& into) const;
+
+ private:
+  [[noreturn]] void no_such_key(const std::string& key) const;
 };
 
 struct LossOptions : Options {
@@ -120,18 +162,30 @@ struct Config {
 
   /// The resolved configuration, every key with its value, as TOML text.
   std::string to_toml() const;
+  /// The dotted keys of the built-in sections' fields marked outside_training ("run.out_dir",
+  /// "run.memory_budget", ...): they may differ when a run resumes.
+  std::vector<std::string> keys_outside_training() const;
 };
 
 /// Reads and validates `path`, applying `overrides` ("a.b=value", value in TOML syntax or a
 /// bare string) first. Throws ConfigError: missing file, malformed TOML, unknown key (with
 /// the nearest), wrong type, value out of range.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
-/// The same from TOML text; `source` names it in errors.
+/// The [plugins] table of the config file at `path` after `overrides`, read before the rest of
+/// the file: plugins load first because a plugin may register the optimizer (model, dataset,
+/// loss) the rest names. Moved out of the parsed file, so errors keep their positions. Throws
+/// ConfigError for a missing file, malformed TOML, a bad override or a [plugins] that is not a
+/// table.
+toml::table read_plugins_table(const std::string& path,
+                               const std::vector<std::string>& overrides = {});
+/// The same as load_config from TOML text; `source` names it in errors.
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 
-/// Fills `o` from `t` (an Options struct's keys) and rejects unknown keys. `where` is the
-/// table's dotted path ("data", "plugins.amp") and `source` the file, both for errors.
+/// Fills `o` from `t` (an Options struct's keys), rejects unknown keys, then runs o.check().
+/// `where` is the table's dotted path ("data", "plugins.amp") and `source` the file, both for
+/// errors. The keys are read before unknown ones are looked for: which keys `o` has may depend
+/// on a value it read (an optimizer's name).
 void read_options(const toml::table& t, Options& o, const std::string& where,
                   const std::string& source);
 

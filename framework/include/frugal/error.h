@@ -3,7 +3,7 @@
 /// callback and event), what was allowed, what was received and, where possible, how to fix it.
 ///
 /// The classes' key functions live in libfrugal, so their type_info belongs to the host:
-/// an error thrown by a plugin never pins the plugin's library (DESIGN.md, plugin ABI).
+/// an error thrown by a plugin never pins the plugin's library (the lifetime rules in plugin.h).
 #include <cstdint>
 #include <stdexcept>
 #include <string>

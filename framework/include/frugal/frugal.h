@@ -11,6 +11,7 @@
 #include "frugal/learner.h"
 #include "frugal/memory.h"
 #include "frugal/micro_batch.h"
+#include "frugal/optimizers.h"
 #include "frugal/options.h"
 #include "frugal/progress.h"
 #include "frugal/registry.h"

@@ -17,6 +17,7 @@
 #include "frugal/fit_stats.h"
 #include "frugal/memory.h"
 #include "frugal/micro_batch.h"
+#include "frugal/optimizers.h"
 #include "frugal/registry.h"
 
 namespace frugal {

@@ -38,8 +38,8 @@ void to_json(nlohmann::json& j, const MemoryBreakdown& b);
 /// Bytes of tensor storage reachable from a module's parameters and buffers, and their grads.
 int64_t parameter_bytes(const torch::nn::Module& m);
 int64_t gradient_bytes(const torch::nn::Module& m);
-/// Bytes of the optimizer's state tensors (Adam, AdamW, SGD, RMSprop and Adagrad are known;
-/// another optimizer's state counts as 0 here and shows under "other").
+/// Bytes of the optimizer's state tensors. Declared (and documented) with the optimizer
+/// registry in optimizers.h; repeated here for the meter's users.
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 
 /// The highest live bytes over a region of the run: a forward, a stage, a check. A handle from
@@ -147,7 +147,8 @@ class ScopedMemoryBudget {
 
 /// Formats bytes for people: "1.5 MiB".
 std::string format_bytes(int64_t bytes);
-/// Parses "512MiB", "2GiB", "1.5GB", "1000" (bytes); throws ConfigError naming `what`.
+/// Parses "512MiB", "2GiB", "1.5GB", "1000" (bytes) as ByteSize does, "" refused; throws
+/// ConfigError naming `what`. Options read sizes as ByteSize fields instead.
 int64_t parse_bytes(const std::string& text, const std::string& what);
 
 }  // namespace frugal

@@ -14,6 +14,7 @@
 
 #include "frugal/config.h"
 #include "frugal/error.h"
+#include "frugal/optimizers.h"
 
 namespace frugal {
 
@@ -73,17 +74,6 @@ OomError oom_loading(int64_t batch, int64_t batch_size, int64_t iteration,
 OomError oom_in_event(std::string_view event, int64_t iteration, const std::string& message);
 /// The OomError of a budget below the bytes the learner holds before the first batch.
 OomError oom_budget_below_live(int64_t budget, int64_t live, int64_t iteration);
-
-/// Bytes the first optimizer step adds that a forward and backward probe does not see: the
-/// optimizer's state still to be created, and the step's temporaries.
-struct StepNeeds {
-  int64_t state = 0, temporaries = 0;
-};
-/// From LibTorch's optimizer implementations (adam, adamw, sgd, rmsprop, adagrad); an estimate
-/// for the others. The temporaries are the largest trainable parameter's bytes times what the
-/// step computes on the side (Adam's sqrt and division, a weight-decayed copy of the gradient).
-StepNeeds optimizer_step_needs(const torch::nn::Module& m, const torch::optim::Optimizer& opt,
-                               const OptimizerOptions& o);
 
 /// What one probe (a forward and backward at one micro-batch size) measured.
 struct ProbeResult {

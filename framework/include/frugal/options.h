@@ -35,6 +35,32 @@ inline Limits between(double a, double b) { return {a, b, false}; }
 /// [a, b): b itself is not allowed.
 inline Limits half_open(double a, double b) { return {a, b, false, true}; }
 
+/// A size in bytes. In TOML a string with a unit ("512MiB", "1.5GB", "2GiB", "1000B") or an
+/// integer of bytes; "" or 0 = none. Read once, by the reader, with the value's file:line:column
+/// in errors; written back as the shortest exact text ("2560KiB", "" for 0).
+struct ByteSize {
+  int64_t bytes = 0;
+  /// Parses "512MiB", "1.5GB", "2GiB", "1000" (bytes), "" (0). False, with the reason in
+  /// `why` ("must be a size such as ...", "has an unknown unit ..."), when it cannot.
+  static bool parse(const std::string& text, int64_t& bytes, std::string& why);
+  /// "" for 0, else the largest binary unit that divides it ("64MiB", "2560KiB", "1000B").
+  std::string str() const;
+};
+
+/// A field's help text and its marks. A plain string converts to it, so a field with no mark
+/// reads `v.field("seed", seed, "random seed")`.
+struct Help {
+  const char* text = "";
+  /// False: the field does not change what a run computes (where its output goes, how it
+  /// logs, how it handles memory), so it may differ when a run resumes (`--resume`).
+  bool affects_training = true;
+  Help(const char* t) : text(t) {}  // NOLINT(google-explicit-constructor): strings are help
+  Help(const char* t, bool affects) : text(t), affects_training(affects) {}
+};
+/// Help for a field that does not affect training: `v.field("out_dir", out_dir,
+/// outside_training("where the report goes"))`.
+inline Help outside_training(const char* text) { return Help(text, false); }
+
 class Options;
 
 /// Walks the fields of an Options struct. Implemented by the host (libfrugal); plugins only
@@ -42,15 +68,17 @@ class Options;
 class FieldVisitor {
  public:
   virtual ~FieldVisitor();
-  virtual void field(const char* key, bool& v, const char* help) = 0;
-  virtual void field(const char* key, int64_t& v, const char* help, Limits l = {}) = 0;
-  virtual void field(const char* key, double& v, const char* help, Limits l = {}) = 0;
+  virtual void field(const char* key, bool& v, Help help) = 0;
+  virtual void field(const char* key, int64_t& v, Help help, Limits l = {}) = 0;
+  virtual void field(const char* key, double& v, Help help, Limits l = {}) = 0;
   /// `choices` empty: any string.
-  virtual void field(const char* key, std::string& v, const char* help,
+  virtual void field(const char* key, std::string& v, Help help,
                      const std::vector<std::string>& choices = {}) = 0;
-  virtual void field(const char* key, std::vector<std::string>& v, const char* help) = 0;
+  virtual void field(const char* key, std::vector<std::string>& v, Help help) = 0;
+  /// A size in bytes ("512MiB"); see ByteSize.
+  virtual void field(const char* key, ByteSize& v, Help help) = 0;
   /// A nested table. `present` is set when the TOML has it (may be null).
-  virtual void table(const char* key, Options& sub, const char* help, bool* present = nullptr) = 0;
+  virtual void table(const char* key, Options& sub, Help help, bool* present = nullptr) = 0;
 };
 
 class Options {
@@ -61,6 +89,12 @@ class Options {
   /// Checks that involve several fields; throw frugal::ConfigError naming the key. The reader
   /// adds the file and table to the message.
   virtual void check() const {}
+  /// A sentence the reader adds to its "unknown key" error when the allowed keys depend on a
+  /// value (an optimizer's keys depend on its name); "" = none.
+  virtual std::string unknown_key_note(const std::string& key) const {
+    (void)key;
+    return "";
+  }
 };
 
 /// The fields of `o` as JSON: [{key, type, default, help, allowed}], for `frugal plugins`
@@ -68,6 +102,9 @@ class Options {
 nlohmann::json describe_options(Options& o);
 /// The current values of `o` as a JSON object (nested tables as objects).
 nlohmann::json options_to_json(Options& o);
+/// The dotted keys of the fields of `o` marked outside_training, nested tables included,
+/// each under `prefix` ("run" gives "run.out_dir"; "" gives "out_dir").
+std::vector<std::string> keys_outside_training(Options& o, const std::string& prefix);
 
 /// Levenshtein distance, for "did you mean" suggestions.
 size_t edit_distance(const std::string& a, const std::string& b);

@@ -1,7 +1,9 @@
 #pragma once
 /// Writing a plugin: one class deriving from frugal::Callback, an Options struct, and one
-/// FRUGAL_PLUGIN line. Built as libfrugal_<name>.so with -fvisibility=hidden; the macro
-/// exports the one factory table the host looks for.
+/// FRUGAL_PLUGIN line; <name>.h declares them, <name>.cpp defines them and holds the line.
+/// frugal_add_plugin(<name> <name>.cpp) builds libfrugal_<name>.so with -fvisibility=hidden,
+/// exporting the one factory table the host looks for (frugal/plugin_export.h), and an object
+/// library of the same code that tests link. In short (the definitions inline):
 ///
 ///   struct ClipOptions : frugal::Options {
 ///     double max_norm = 1.0;  ///< default 1.0
@@ -37,6 +39,7 @@
 #include "frugal/callback.h"
 #include "frugal/learner.h"
 #include "frugal/options.h"
+#include "frugal/plugin_export.h"
 #include "frugal/version.h"
 
 namespace frugal {
@@ -92,9 +95,42 @@ struct PluginApi {
                                                     const ::frugal::PluginContext& ctx) {    \
     return std::make_unique<CALLBACK>(dynamic_cast<const OPTIONS&>(o), ctx);                 \
   }                                                                                          \
-  const ::frugal::PluginApi api = {::frugal::kAbiVersion, TORCH_VERSION, ::frugal::kVersion, \
-                                   NAME,                  DESCRIPTION,   VERSION,            \
-                                   &make_options,         &create,       ON_LOAD,            \
-                                   RELATIONS};                                               \
   }                                                                                          \
-  BOOST_DLL_ALIAS(frugal_plugin_detail::api, frugal_plugin)
+  FRUGAL_PLUGIN_TABLE_(NAME) = {::frugal::kAbiVersion,                                       \
+                                TORCH_VERSION,                                               \
+                                ::frugal::kVersion,                                          \
+                                NAME,                                                        \
+                                DESCRIPTION,                                                 \
+                                VERSION,                                                     \
+                                &frugal_plugin_detail::make_options,                         \
+                                &frugal_plugin_detail::create,                               \
+                                ON_LOAD,                                                     \
+                                RELATIONS};                                                  \
+  FRUGAL_PLUGIN_ALIAS_
+
+namespace frugal::detail {
+/// Whether two C strings are equal, at compile time.
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+}  // namespace frugal::detail
+
+#ifdef FRUGAL_PLUGIN_ID
+// Built by frugal_add_plugin: the table under its hidden name; the library's generated file
+// exports it (frugal/plugin_export.h).
+#define FRUGAL_PLUGIN_TABLE_(NAME)                                                          \
+  static_assert(::frugal::detail::same_name(NAME, FRUGAL_PLUGIN_STR(FRUGAL_PLUGIN_ID)),    \
+                "FRUGAL_PLUGIN's name must be the one given to frugal_add_plugin (the host " \
+                "loads plugin <name> from libfrugal_<name>.so)");                           \
+  extern "C" const ::frugal::PluginApi FRUGAL_PLUGIN_API_SYMBOL(FRUGAL_PLUGIN_ID)
+#define FRUGAL_PLUGIN_ALIAS_
+#else
+// Built some other way: the table is exported here.
+#define FRUGAL_PLUGIN_TABLE_(NAME) \
+  namespace frugal_plugin_detail { \
+  extern const ::frugal::PluginApi api; \
+  }                                \
+  const ::frugal::PluginApi frugal_plugin_detail::api
+#define FRUGAL_PLUGIN_ALIAS_ BOOST_DLL_ALIAS(frugal_plugin_detail::api, frugal_plugin)
+#endif

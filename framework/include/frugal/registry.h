@@ -1,7 +1,7 @@
 #pragma once
 /// Name -> factory registries for models, losses and datasets, so a TOML file can name what
-/// frugal or a plugin provides. A plugin that registers must unregister before it unloads
-/// (the plugin loader does this for it).
+/// frugal or a plugin provides (optimizers have theirs in optimizers.h). A plugin that
+/// registers must unregister before it unloads (the plugin loader does this for it).
 #include <functional>
 #include <map>
 #include <mutex>
@@ -100,9 +100,5 @@ Registry<DatasetFactory>& datasets();
 torch::nn::Sequential make_model(const ModelOptions& o, const ModelInput& in);
 LossFn make_loss(const LossOptions& o);
 Dataset make_dataset(const DataOptions& o, bool train);
-
-/// Builds an optimizer over `params`. Throws ConfigError for an unknown name.
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
-                                                       std::vector<torch::Tensor> params);
 
 }  // namespace frugal

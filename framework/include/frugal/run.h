@@ -29,9 +29,11 @@ nlohmann::json checkpoint_info(const Config& c);
 /// WHERE's checkpoints/last.ckpt. Throws CheckpointError when there is none.
 std::string resume_checkpoint(const std::string& where);
 /// Throws ConfigError listing the keys in which `c` differs from the config stored in the
-/// checkpoint at `path` (its `info`). Keys that do not change the run's numbers may differ:
-/// run.out_dir, run.device, run.threads, run.progress, run.log_every, run.max_steps and
-/// run.checkpoint_*.
-void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path);
+/// checkpoint at `path` (its `info`). Keys whose fields are marked outside_training may differ:
+/// those of c.keys_outside_training() (run.out_dir, device, threads, progress, log_every,
+/// max_steps, the memory settings, checkpoint_*) and `plugin_keys_outside_training` (from
+/// PluginHost::keys_outside_training()).
+void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path,
+                         const std::vector<std::string>& plugin_keys_outside_training = {});
 
 }  // namespace frugal

@@ -2,7 +2,8 @@
 /// frugal's version, and the plugin ABI version (bumped on any change a plugin would see).
 namespace frugal {
 inline constexpr const char* kVersion = "0.1.0";
-// 2: Callback::save_state, load_state, held_bytes. 3: Callback::relations, release_caches
-// (the vtable changed); OomError's phase; MemoryWindow handles.
-inline constexpr int kAbiVersion = 3;
+// 2: Callback::save_state, load_state, held_bytes. 3: FieldVisitor takes Help and ByteSize
+// fields; Options::unknown_key_note. 4: Callback::relations, release_caches (the vtable
+// changed); OomError's phase; MemoryWindow handles.
+inline constexpr int kAbiVersion = 4;
 }  // namespace frugal

@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
 
-#include "../../plugins/checkpoint/checkpoint.h"
-#include "../../plugins/detach_loss/detach_loss.h"
+#include "../checkpoint/checkpoint.h"
+#include "detach_loss.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
 
-#include "../../plugins/inplace_act/inplace_act.h"
+#include "inplace_act.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
-#include "../../plugins/amp/amp.h"
+#include "amp.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 

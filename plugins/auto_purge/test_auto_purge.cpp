@@ -4,7 +4,7 @@
 // defrag, the fit-end purge and a swapped optimizer.
 #include <gtest/gtest.h>
 
-#include "../../plugins/auto_purge/auto_purge.h"
+#include "auto_purge.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
@@ -237,7 +237,7 @@ TEST(AutoPurge, BadSizesNameTheKey) {
     host.load(plugins_of("[plugins.auto_purge]\nkeep = \"lots\"\n"), "cfg.toml");
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
-    EXPECT_TRUE(Has(e.what(), "cfg.toml:1:1: 'plugins.auto_purge.keep' must be a size such as"));
+    EXPECT_TRUE(Has(e.what(), "cfg.toml:2:8: 'plugins.auto_purge.keep' must be a size such as"));
   }
 }
 

@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "../../plugins/checkpoint/checkpoint.h"
+#include "checkpoint.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 

@@ -2,7 +2,7 @@
 // and the plugin loaded through PluginHost into real fits compared with plain large batches.
 #include <gtest/gtest.h>
 
-#include "../../plugins/grad_accum/grad_accum.h"
+#include "grad_accum.h"
 #include "frugal/plugin_host.h"
 #include "learner_fixture.h"
 
