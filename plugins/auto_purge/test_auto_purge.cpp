@@ -129,41 +129,44 @@ TEST(AutoPurge, ClearOptFalseKeepsTheOptimizerStateAndCountsItAsAllowed) {
   EXPECT_TRUE(Has(cap.text(), "+ kept optimizer state"));
 }
 
+/// Defrag: the parameters before auto_purge's before_stage (order -30) at stage 1...
+struct DefragBefore : Callback {
+  std::string name() const override { return "before"; }
+  int order() const override { return -30; }
+  void before_stage(Learner& l) override {
+    if (l.stage_index() != 1) return;
+    values = clone_params(*l.model());
+    for (const auto& p : l.model()->parameters()) {
+      impls.push_back(p.unsafeGetTensorImpl());
+      data.push_back(p.data_ptr());
+    }
+  }
+  std::vector<torch::Tensor> values;
+  std::vector<const void*> impls, data;
+};
+/// ... and after it.
+struct DefragAfter : Callback {
+  std::string name() const override { return "after"; }
+  void before_stage(Learner& l) override {
+    if (l.stage_index() != 1) return;
+    same_values = params_equal(*l.model(), before->values);
+    for (const auto& p : l.model()->parameters()) {
+      impls.push_back(p.unsafeGetTensorImpl());
+      data.push_back(p.data_ptr());
+    }
+    files = std::distance(std::filesystem::directory_iterator(dir), {});
+  }
+  std::shared_ptr<DefragBefore> before;
+  std::filesystem::path dir;
+  bool same_values = false;
+  std::vector<const void*> impls, data;
+  long files = -1;
+};
+
 TEST(AutoPurge, DefragReloadsTheParametersIntoFreshMemoryAndRemovesItsFile) {
   TempDir dir;
-  struct Before : Callback {  // order -30: before auto_purge's before_stage
-    std::string name() const override { return "before"; }
-    int order() const override { return -30; }
-    void before_stage(Learner& l) override {
-      if (l.stage_index() != 1) return;
-      values = clone_params(*l.model());
-      for (const auto& p : l.model()->parameters()) {
-        impls.push_back(p.unsafeGetTensorImpl());
-        data.push_back(p.data_ptr());
-      }
-    }
-    std::vector<torch::Tensor> values;
-    std::vector<const void*> impls, data;
-  };
-  struct After : Callback {
-    std::string name() const override { return "after"; }
-    void before_stage(Learner& l) override {
-      if (l.stage_index() != 1) return;
-      same_values = params_equal(*l.model(), before->values);
-      for (const auto& p : l.model()->parameters()) {
-        impls.push_back(p.unsafeGetTensorImpl());
-        data.push_back(p.data_ptr());
-      }
-      files = std::distance(std::filesystem::directory_iterator(dir), {});
-    }
-    std::shared_ptr<Before> before;
-    std::filesystem::path dir;
-    bool same_values = false;
-    std::vector<const void*> impls, data;
-    long files = -1;
-  };
-  auto before = std::make_shared<Before>();
-  auto after = std::make_shared<After>();
+  auto before = std::make_shared<DefragBefore>();
+  auto after = std::make_shared<DefragAfter>();
   after->before = before;
   after->dir = dir.path();
   std::vector<torch::Tensor> at_end;

@@ -82,6 +82,37 @@ TEST(OptimSwap, AdamToPlainSgdAtAStageFreesAtLeast8BytesPerParameter) {
   l->clear_callbacks();
 }
 
+/// Before the swap (order -30): Adam's first moments. After it (order 0): SGD's buffers; then
+/// the first SGD step's inputs and result.
+struct MomentProbe : Callback {
+  int order_;
+  explicit MomentProbe(int o) : order_(o) {}
+  std::string name() const override { return "probe" + std::to_string(order_); }
+  int order() const override { return order_; }
+  std::vector<torch::Tensor> read(Learner& l, bool adam) {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : l.model()->parameters()) {
+      auto& st = *l.optimizer().state().at(compat::optimizer_state_key(p));
+      out.push_back(adam ? dynamic_cast<torch::optim::AdamParamState&>(st).exp_avg().clone()
+                         : dynamic_cast<torch::optim::SGDParamState&>(st).momentum_buffer().clone());
+    }
+    return out;
+  }
+  void before_stage(Learner& l) override {
+    if (l.stage_index() == 1) moments = read(l, order_ < -20);
+  }
+  void before_step(Learner& l) override {
+    if (l.stage_index() != 1 || l.batch_index() != 0 || order_ < -20) return;
+    params = clone_params(*l.model());
+    for (const auto& p : l.model()->parameters()) grads.push_back(p.grad().clone());
+    buffers = read(l, false);
+  }
+  void after_step(Learner& l) override {
+    if (l.stage_index() == 1 && l.batch_index() == 0 && order_ >= -20) stepped = clone_params(*l.model());
+  }
+  std::vector<torch::Tensor> moments, params, grads, buffers, stepped;
+};
+
 TEST(OptimSwap, SeededMomentumIsAdamsFirstMomentAndTheFirstSgdStepUsesIt) {
   TinySetup s;
   s.shuffle = false;
@@ -91,37 +122,7 @@ TEST(OptimSwap, SeededMomentumIsAdamsFirstMomentAndTheFirstSgdStepUsesIt) {
        "[plugins.optim_swap]\nat_stage = \"sgd\"\nseed_momentum = true\n"
        "to = { name = \"sgd\", lr = 0.1, momentum = 0.9 }\n");
 
-  // Before the swap (order -30): Adam's first moments. After it (order 0): SGD's buffers; then
-  // the first SGD step's inputs and result.
-  struct Probe : Callback {
-    int order_;
-    explicit Probe(int o) : order_(o) {}
-    std::string name() const override { return "probe" + std::to_string(order_); }
-    int order() const override { return order_; }
-    std::vector<torch::Tensor> read(Learner& l, bool adam) {
-      std::vector<torch::Tensor> out;
-      for (const auto& p : l.model()->parameters()) {
-        auto& st = *l.optimizer().state().at(compat::optimizer_state_key(p));
-        out.push_back(adam ? dynamic_cast<torch::optim::AdamParamState&>(st).exp_avg().clone()
-                           : dynamic_cast<torch::optim::SGDParamState&>(st).momentum_buffer().clone());
-      }
-      return out;
-    }
-    void before_stage(Learner& l) override {
-      if (l.stage_index() == 1) moments = read(l, order_ < -20);
-    }
-    void before_step(Learner& l) override {
-      if (l.stage_index() != 1 || l.batch_index() != 0 || order_ < -20) return;
-      params = clone_params(*l.model());
-      for (const auto& p : l.model()->parameters()) grads.push_back(p.grad().clone());
-      buffers = read(l, false);
-    }
-    void after_step(Learner& l) override {
-      if (l.stage_index() == 1 && l.batch_index() == 0 && order_ >= -20) stepped = clone_params(*l.model());
-    }
-    std::vector<torch::Tensor> moments, params, grads, buffers, stepped;
-  };
-  auto adam = std::make_shared<Probe>(-30), sgd = std::make_shared<Probe>(0);
+  auto adam = std::make_shared<MomentProbe>(-30), sgd = std::make_shared<MomentProbe>(0);
   l->add_callback(adam);
   l->add_callback(sgd);
   l->fit({make_stage("adam", 1), make_stage("sgd", 1)});
