@@ -73,7 +73,7 @@ class Callback {
  public:
   virtual ~Callback();
 
-  /// A short unique name, used in logs and errors ("amp", "grad_accum").
+  /// A short unique name, used in logs and errors (a plugin's callback: the plugin's name).
   virtual std::string name() const = 0;
   /// Lower runs first in before_* events and last in after_* events (see frugal::order).
   /// Default order::kDefault.
@@ -84,7 +84,8 @@ class Callback {
   /// Whether this callback wraps the forward pass (see wrap_forward). Default false.
   virtual bool wraps_forward() const { return false; }
   /// Runs instead of the plain forward when wraps_forward(); call next(x) to continue the
-  /// chain (autocast around it, checkpointing instead of it, ...). Default: next(x).
+  /// chain (a mode switched on around it, the model run another way instead of it, ...).
+  /// Default: next(x).
   virtual torch::Tensor wrap_forward(Learner& l, const torch::Tensor& x, const ForwardNext& next);
 
   /// Runs once when fit starts.

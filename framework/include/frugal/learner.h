@@ -107,7 +107,8 @@ class Learner {
   /// The budget, retry and auto micro-batch settings; see OomPolicy.
   ///
   /// A retry: the error is only noted in the catch block; after it the batch's x, pred and
-  /// loss are dropped, caches released (release_caches()), and the micro-batch cap halved. An error in forward (no gradient touched yet) resumes the batch at the failed
+  /// loss are dropped, caches released (release_caches()), and the micro-batch cap halved.
+  /// An error in forward (no gradient touched yet) resumes the batch at the failed
   /// micro-batch's first sample; an error in backward (some gradients may hold part of it)
   /// drops the batch's gradients and restarts it at its first sample. Micro-batches are
   /// weighted by their samples, so the step's gradients are those of the whole batch either
