@@ -194,6 +194,11 @@ bool ByteSize::parse(const std::string& text, int64_t& bytes, std::string& why) 
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   for (const auto& [name, factor] : kByteUnits)
     if (unit == name) {
+      // 2^63 bytes and more do not fit an int64_t (llround would give INT64_MIN).
+      if (value * static_cast<double>(factor) >= 9.2e18) {
+        why = "is too large: \"" + text + "\" is more than 8 EiB";
+        return false;
+      }
       bytes = static_cast<int64_t>(std::llround(value * factor));
       return true;
     }

@@ -524,6 +524,9 @@ TEST(ByteSizeField, ABadValueIsReportedAtTheValueOrTheOverride) {
   EXPECT_EQ(config_error("[run]\nmemory_budget = -5\n"),
             "cfg.toml:2:17: 'run.memory_budget' must be a size such as \"512MiB\" or \"2GiB\", or "
             "an integer of bytes >= 0, got -5");
+  // Found by the mutation fuzz test: 2^63 bytes once wrapped to INT64_MIN ("-8388608TiB").
+  EXPECT_EQ(config_error("[run]\nmemory_budget = \"9000000TiB\"\n"),
+            "cfg.toml:2:17: 'run.memory_budget' is too large: \"9000000TiB\" is more than 8 EiB");
   EXPECT_EQ(config_error("[run]\nmemory_budget = true\n"),
             "cfg.toml:2:17: 'run.memory_budget' must be a size such as \"512MiB\" or \"2GiB\", or "
             "an integer of bytes, got boolean true");
