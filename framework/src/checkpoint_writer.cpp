@@ -16,7 +16,8 @@ CheckpointWriter::CheckpointWriter(std::string path, int64_t every_steps, int64_
       every_steps_(every_steps),
       every_epochs_(every_epochs),
       info_(std::move(info)),
-      log_(std::move(log)) {}
+      log_(std::move(log)),
+      history_(std::make_shared<CheckpointHistory>(path_)) {}
 
 void CheckpointWriter::before_fit(Learner& l) {
   saved_at_step_ = l.steps();
@@ -37,12 +38,13 @@ void CheckpointWriter::after_epoch(Learner& l) {
 void CheckpointWriter::after_fit(Learner& l) { write(l, "end of fit"); }
 
 void CheckpointWriter::write(Learner& l, const char* why) {
-  l.save_checkpoint(path_, info_);
+  const std::string path = history_->write(l, info_);
+  if (path.empty()) return;  // sealed: an interrupted fit's checkpoint stays its last
   saved_at_step_ = l.steps();
   ++written_;
   if (log_) {
     const FitPosition p = l.position();
-    log_->debug("checkpoint ({}) written to {}: stage {} epoch {} batch {}, {} steps", why, path_,
+    log_->debug("checkpoint ({}) written to {}: stage {} epoch {} batch {}, {} steps", why, path,
                 p.stage, p.epoch, p.batch, p.steps);
   }
 }

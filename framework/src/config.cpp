@@ -50,6 +50,18 @@ void RunOptions::visit(FieldVisitor& v) {
           outside_training("write the checkpoint every N epochs (and at the end of the fit); "
                            "0 = off"),
           at_least(0));
+  v.field("keep_checkpoints", keep_checkpoints,
+          outside_training("checkpoints kept: 1 = one file, checkpoints/last.ckpt; K > 1 = the "
+                           "newest K as checkpoints/step-N.ckpt, last.ckpt linking the newest"),
+          at_least(1));
+  v.field("resume", resume,
+          outside_training("auto = continue the unfinished run of this config in out_dir, start "
+                           "fresh when out_dir holds none (as `frugal train --resume auto`)"),
+          {"off", "auto"});
+  v.field("preempt_signal", preempt_signal,
+          outside_training("a signal that, like SIGTERM and SIGINT, makes the run checkpoint and "
+                           "exit with code 75 (Slurm: --signal=B:USR1@120); \"none\" = off"),
+          {"SIGUSR1", "SIGUSR2", "SIGHUP", "SIGALRM", "SIGXCPU", "none"});
   v.field("warmup", warmup,
           "training batches at the start of each stage left out of the step-time statistics",
           at_least(0));

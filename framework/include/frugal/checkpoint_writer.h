@@ -10,6 +10,7 @@
 #include <spdlog/logger.h>
 
 #include "frugal/callback.h"
+#include "frugal/checkpoint_history.h"
 
 namespace frugal {
 
@@ -34,6 +35,8 @@ class CheckpointWriter : public Callback {
   void load_state(Learner&, torch::serialize::InputArchive& a) override;
 
   const std::string& path() const { return path_; }
+  /// Where the checkpoints go (default: one file, path()); shared with a StopCallback.
+  void set_history(std::shared_ptr<CheckpointHistory> h) { history_ = std::move(h); }
   int64_t written() const { return written_; }  ///< checkpoints written by this process
 
  private:
@@ -42,6 +45,7 @@ class CheckpointWriter : public Callback {
   int64_t every_steps_, every_epochs_;
   nlohmann::json info_;
   std::shared_ptr<spdlog::logger> log_;
+  std::shared_ptr<CheckpointHistory> history_;
   int64_t saved_at_step_ = 0, epochs_done_ = 0, written_ = 0;
 };
 

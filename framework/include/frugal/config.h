@@ -22,6 +22,9 @@ struct RunOptions : Options {
   std::string progress = "auto";       ///< auto | bar | log | none
   int64_t checkpoint_every = 0;        ///< optimizer steps between checkpoints; 0 = off
   int64_t checkpoint_epochs = 0;       ///< epochs between checkpoints; 0 = off
+  int64_t keep_checkpoints = 1;        ///< the newest K checkpoints are kept (numbered if K > 1)
+  std::string resume = "off";          ///< off | auto: continue out_dir's unfinished run
+  std::string preempt_signal = "SIGUSR1";  ///< stops cleanly like SIGTERM; "none" = off
   int64_t warmup = 2;                  ///< batches per stage left out of the step-time statistics
   std::string trace;                   ///< Chrome-trace JSON of phases and live memory; "" = off
   ByteSize memory_budget;              ///< "1GiB"; default none
