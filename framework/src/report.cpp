@@ -117,6 +117,13 @@ std::string report_markdown(const nlohmann::json& r) {
   md << "config `" << r.value("config_file", "") << "`, LibTorch " << r.value("libtorch_version", "")
      << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads\n\n";
   if (r.contains("error")) md << "**The run stopped with an error:** " << r["error"].get<std::string>() << "\n\n";
+  if (r.contains("interrupted") && r["interrupted"].is_object()) {
+    const auto& i = r["interrupted"];
+    md << "**The run was interrupted** by " << i.value("signal", "a stop request") << " after stage "
+       << i.value("stage", 0) + 1 << " epoch " << i.value("epoch", 0) + 1 << " batch "
+       << i.value("batch", 0) << " (" << i.value("steps", 0) << " optimizer steps); its checkpoint `"
+       << i.value("checkpoint", "") << "` continues it (`frugal train CONFIG --resume auto`).\n\n";
+  }
   if (fit.is_null()) return md.str();
 
   md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | valid accuracy |\n";

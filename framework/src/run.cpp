@@ -78,7 +78,7 @@ void check_config(const Config& c) {
   resolve_device(c.run.device);
 }
 
-std::unique_ptr<Learner> make_learner(const Config& c) {
+std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) {
   check_config(c);
   if (c.run.threads > 0) torch::set_num_threads(static_cast<int>(c.run.threads));
   torch::manual_seed(static_cast<uint64_t>(c.run.seed));
@@ -96,10 +96,18 @@ std::unique_ptr<Learner> make_learner(const Config& c) {
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   learner->set_max_batches(c.run.max_steps);
-  if (c.run.checkpoint_every > 0 || c.run.checkpoint_epochs > 0)
-    learner->add_callback(std::make_shared<CheckpointWriter>(
-        checkpoint_path(c.run), c.run.checkpoint_every, c.run.checkpoint_epochs,
-        checkpoint_info(c), spdlog::default_logger()));
+  // One history for the periodic checkpoints and a stop's: a stop seals it.
+  auto history = std::make_shared<CheckpointHistory>(checkpoint_path(c.run), c.run.keep_checkpoints);
+  if (c.run.checkpoint_every > 0 || c.run.checkpoint_epochs > 0) {
+    auto writer = std::make_shared<CheckpointWriter>(checkpoint_path(c.run), c.run.checkpoint_every,
+                                                     c.run.checkpoint_epochs, checkpoint_info(c),
+                                                     spdlog::default_logger());
+    writer->set_history(history);
+    learner->add_callback(writer);
+  }
+  if (stop)
+    learner->add_callback(std::make_shared<StopCallback>(*stop, history, checkpoint_info(c),
+                                                         spdlog::default_logger()));
   learner->set_warmup_batches(c.run.warmup);
   if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   OomPolicy oom;

@@ -5,6 +5,7 @@
 
 #include "frugal/config.h"
 #include "frugal/learner.h"
+#include "frugal/stop.h"
 
 namespace frugal {
 
@@ -19,7 +20,10 @@ void check_config(const Config& c);
 /// Loads the data, builds the model, loss and optimizer: a Learner ready to fit(c.stages).
 /// Seeds LibTorch with run.seed and sets run.threads first. With run.checkpoint_every or
 /// run.checkpoint_epochs set, a CheckpointWriter writes to checkpoint_path(c.run).
-std::unique_ptr<Learner> make_learner(const Config& c);
+/// With `stop`, a StopCallback polls it: a requested stop checkpoints (also without
+/// run.checkpoint_every) and ends the fit; see stop.h. Checkpoints go through one
+/// CheckpointHistory (run.keep_checkpoints).
+std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop = nullptr);
 
 /// <out_dir>/checkpoints/last.ckpt: where a run's periodic checkpoints go.
 std::string checkpoint_path(const RunOptions& r);
