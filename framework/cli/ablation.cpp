@@ -189,7 +189,8 @@ ChildResult run_train_child(const std::string& exe, const std::string& config,
   fs::create_directories(dir, ec);
   const std::string report = (fs::path(dir) / "report.json").string();
   fs::remove(report, ec);  // never read a stale report
-  std::vector<std::string> args = {"train", config};
+  // The run's folder is the ablation's own: a rerun of the ablation replaces it.
+  std::vector<std::string> args = {"train", config, "--overwrite"};
   auto add = [&](const std::string& s) {
     args.push_back("--set");
     args.push_back(s);

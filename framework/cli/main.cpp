@@ -1,4 +1,5 @@
-// The `frugal` command: train, check, keys, plugins (ablate and plan: ablate.cpp, plan.cpp).
+// The `frugal` command: check, keys, plugins (train: train.cpp; ablate and plan: ablate.cpp,
+// plan.cpp).
 #include <unistd.h>
 
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ablation.h"
+#include "train.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
 #include "frugal/progress.h"
@@ -21,7 +23,6 @@ namespace {
 struct Common {
   std::string config;
   std::vector<std::string> sets;
-  std::string resume;  // train only
 };
 
 void add_common(CLI::App* cmd, Common& c) {
@@ -77,94 +78,6 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
   }
   for (const auto& p : problems) std::cout << "\nnot loadable: " << p << "\n";
   return 0;
-}
-
-/// The config with its plugins; its output folders probed before any work.
-frugal::ConfigWithPlugins prepare_train(const Common& opt) {
-  frugal::ConfigWithPlugins loaded = frugal::load_config_with_plugins(opt.config, opt.sets);
-  const frugal::Config& cfg = loaded.config;
-  frugal::ensure_writable_dir(cfg.run.out_dir);
-  if (cfg.run.checkpoint_every > 0 || cfg.run.checkpoint_epochs > 0)
-    frugal::ensure_writable_dir(std::filesystem::path(frugal::checkpoint_path(cfg.run)).parent_path().string());
-  return loaded;
-}
-
-/// The checkpoint `--resume` names, checked against the config: a resume continues the same
-/// run. "" without --resume.
-std::string checked_resume(const Common& opt, const frugal::ConfigWithPlugins& loaded) {
-  if (opt.resume.empty()) return "";
-  const std::string checkpoint = frugal::resume_checkpoint(opt.resume);
-  frugal::check_resume_config(loaded.config, frugal::Learner::read_checkpoint(checkpoint)["info"],
-                              checkpoint, loaded.host->keys_outside_training());
-  return checkpoint;
-}
-
-void load_resume(frugal::Learner& learner, const std::string& checkpoint, spdlog::logger& log) {
-  learner.load_checkpoint(checkpoint);
-  const frugal::FitPosition p = *learner.pending_resume();
-  if (p.done)
-    log.info("resuming from {}: that fit had ended; nothing is left to train", checkpoint);
-  else
-    log.info("resuming from {}: stage {} epoch {} batch {} ({} batches, {} steps done)",
-             checkpoint, p.stage + 1, p.epoch + 1, p.batch + 1, p.iteration, p.steps);
-}
-
-/// Runs the fit; an error is logged and recorded in `extra` (the report says why the run
-/// stopped). Returns the exit code.
-int fit(frugal::Learner& learner, const frugal::Config& cfg, nlohmann::json& extra,
-        spdlog::logger& log) {
-  try {
-    learner.fit(cfg.stages);
-  } catch (const frugal::OomError& e) {
-    extra["error"] = e.what();
-    log.error("{}", e.what());
-    // Out of memory in forward or backward leaves the model as before the failed batch: a
-    // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
-    // the parameters: no checkpoint then.
-    if (e.phase() != frugal::OomError::Phase::Step) {
-      const std::string path = frugal::checkpoint_path(cfg.run);
-      try {
-        learner.save_checkpoint(path, frugal::checkpoint_info(cfg));
-        extra["checkpoint"] = path;
-        log.info("checkpoint of the failed batch's start saved to {}", path);
-      } catch (const std::exception& ce) {
-        log.error("could not save a checkpoint after the out-of-memory error: {}", ce.what());
-      }
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    extra["error"] = e.what();
-    log.error("{}", e.what());
-    return 1;
-  }
-  return 0;
-}
-
-int run_train(const Common& opt, const std::shared_ptr<spdlog::logger>& log) {
-  // Everything the config names is validated, and the output folder probed, before any work.
-  // `loaded` outlives the learner: what a plugin registered dies before its library.
-  const frugal::ConfigWithPlugins loaded = prepare_train(opt);
-  const frugal::Config& cfg = loaded.config;
-  const std::string checkpoint = checked_resume(opt, loaded);
-
-  auto learner = frugal::make_learner(cfg);
-  for (auto& cb : loaded.callbacks) learner->add_callback(cb);
-  log->info("plugins: {}", joined(loaded.host->loaded()));
-  if (!checkpoint.empty()) load_resume(*learner, checkpoint, *log);
-  learner->add_callback(std::make_shared<frugal::ProgressCallback>(
-      frugal::ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
-  log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
-            cfg.data.dataset, learner->train_data().dataset().size(), cfg.data.batch_size,
-            learner->device().str(), at::get_num_threads(), frugal::compat::torch_version());
-
-  nlohmann::json extra = {{"plugins", loaded.host->loaded()}};
-  if (!checkpoint.empty()) extra["resumed_from"] = checkpoint;
-  const int rc = fit(*learner, cfg, extra, *log);
-  auto report = frugal::make_report(*learner, cfg, extra);
-  frugal::write_report(cfg.run.out_dir, report, cfg);
-  std::cout << frugal::report_markdown(report) << std::flush;
-  log->info("report written to {}/report.md, report.json and config.toml", cfg.run.out_dir);
-  return rc;
 }
 
 /// `fields` without the own keys of optimizer `name` (what the optimizer's section lists).
@@ -246,7 +159,8 @@ int run_keys(bool json) {
 /// Every subcommand's arguments, and the subcommands.
 struct Args {
   std::string level = "info";
-  Common train, check;
+  frugal::cli::TrainArgs train;
+  Common check;
   bool plugins_json = false, keys_json = false;
   std::vector<std::string> plugin_paths;
   frugal::cli::AblateArgs ablate;
@@ -261,11 +175,7 @@ void add_commands(CLI::App& app, Args& a) {
                                         frugal::compat::torch_version());
   app.add_option("--log-level", a.level, "trace, debug, info, warn, error, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
-  a.train_cmd = app.add_subcommand("train", "train a model as a TOML file describes, then write its report");
-  add_common(a.train_cmd, a.train);
-  a.train_cmd->add_option("--resume", a.train.resume,
-                          "continue the run whose checkpoint is in this run folder (its "
-                          "checkpoints/last.ckpt) or file; CONFIG must be that run's config");
+  a.train_cmd = frugal::cli::add_train_command(app, a.train);
   a.check_cmd = app.add_subcommand("check", "validate a TOML file without training");
   add_common(a.check_cmd, a.check);
   a.plugins_cmd = app.add_subcommand("plugins", "list the plugins found, with their options and defaults");
@@ -288,7 +198,7 @@ std::shared_ptr<spdlog::logger> make_log(const std::string& level) {
 /// Runs the parsed subcommand; an error is logged, exit code 2 for a config or plugin error.
 int dispatch(const Args& a, const std::shared_ptr<spdlog::logger>& log, const char* argv0) {
   try {
-    if (*a.train_cmd) return run_train(a.train, log);
+    if (*a.train_cmd) return frugal::cli::run_train(a.train, log);
     if (*a.check_cmd) return run_check(a.check, *log);
     if (*a.keys_cmd) return run_keys(a.keys_json);
     if (*a.plugins_cmd) return run_plugins(a.plugin_paths, a.plugins_json);

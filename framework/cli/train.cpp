@@ -1,0 +1,231 @@
+// `frugal train`: the run's folder (one run at a time, no silent overwrite, --resume and
+// --resume auto), the fit, a clean stop on SIGTERM/SIGINT/run.preempt_signal, the report.
+#include "train.h"
+
+#include <filesystem>
+#include <iostream>
+
+#include "frugal/frugal.h"
+#include "frugal/plugin_host.h"
+#include "frugal/progress.h"
+#include "frugal/run.h"
+#include "frugal/run_folder.h"
+#include "frugal/stop.h"
+
+namespace fs = std::filesystem;
+
+namespace frugal::cli {
+
+namespace {
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out.empty() ? "none" : out;
+}
+
+std::string checkpoint_dir(const Config& cfg) {
+  return fs::path(checkpoint_path(cfg.run)).parent_path().string();
+}
+
+/// The config with its plugins; its output folders probed before any work.
+ConfigWithPlugins prepare_train(const TrainArgs& a) {
+  ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
+  const Config& cfg = loaded.config;
+  ensure_writable_dir(cfg.run.out_dir);
+  ensure_writable_dir(checkpoint_dir(cfg));  // a stop writes a checkpoint, whatever the config
+  return loaded;
+}
+
+/// `--resume auto`: the checkpoint of this config's unfinished run in run.out_dir, or "" when
+/// the folder holds no run. Refuses (ConfigError, naming the differing keys) a run of another
+/// config, and (Error) a finished run or results without a checkpoint.
+std::string auto_resume(const ConfigWithPlugins& loaded, spdlog::logger& log) {
+  const Config& cfg = loaded.config;
+  const std::string& out = cfg.run.out_dir;
+  const std::string ckpt = checkpoint_path(cfg.run);
+  std::error_code ec;
+  if (fs::exists(ckpt, ec)) {
+    const nlohmann::json rec = Learner::read_checkpoint(ckpt);
+    try {
+      check_resume_config(cfg, rec["info"], ckpt, loaded.host->keys_outside_training());
+    } catch (const ConfigError& e) {
+      throw ConfigError("--resume auto: '" + out + "' holds a run of another config: " + e.what());
+    }
+    if (rec["position"].value("done", false))
+      throw Error("--resume auto: the run in '" + out + "' has finished (" + ckpt + " is its "
+                  "end): nothing is left to train. Give a new run another run.out_dir, or "
+                  "replace this one with --overwrite");
+    return ckpt;
+  }
+  const std::vector<std::string> files = earlier_run_files(out, checkpoint_dir(cfg));
+  if (files.empty()) {
+    log.info("--resume auto: '{}' holds no run yet: starting one", out);
+    return "";
+  }
+  throw Error("--resume auto: '" + out + "' holds an earlier run (" + joined(files) +
+              ") but no checkpoint to continue it from: it finished, or ended before its first "
+              "checkpoint. Give a new run another run.out_dir, or replace it with --overwrite");
+}
+
+/// True when `file` lies inside folder `dir`.
+bool inside(const std::string& file, const std::string& dir) {
+  std::error_code ec;
+  const fs::path f = fs::weakly_canonical(file, ec), d = fs::weakly_canonical(dir, ec);
+  const std::string rel = f.lexically_relative(d).string();
+  return !rel.empty() && rel.rfind("..", 0) != 0;
+}
+
+/// `--resume WHERE`: its checkpoint, checked against the config. A run that continues into
+/// another run's folder would replace that run's results: refused.
+std::string explicit_resume(const std::string& where, const ConfigWithPlugins& loaded) {
+  const Config& cfg = loaded.config;
+  const std::string checkpoint = resume_checkpoint(where);
+  check_resume_config(cfg, Learner::read_checkpoint(checkpoint)["info"], checkpoint,
+                      loaded.host->keys_outside_training());
+  const auto files = earlier_run_files(cfg.run.out_dir, checkpoint_dir(cfg));
+  if (!files.empty() && !inside(checkpoint, cfg.run.out_dir))
+    throw Error("run.out_dir '" + cfg.run.out_dir + "' holds another run's results (" +
+                joined(files) + "); resuming " + checkpoint + " there would replace them: give "
+                "the resumed run its own folder (--set run.out_dir=...)");
+  return checkpoint;
+}
+
+/// A fresh run: the folder must hold no earlier run's results, unless --overwrite.
+void check_fresh_folder(const TrainArgs& a, const Config& cfg, spdlog::logger& log) {
+  const std::string& out = cfg.run.out_dir;
+  const auto files = earlier_run_files(out, checkpoint_dir(cfg));
+  if (files.empty()) return;
+  if (!a.overwrite)
+    throw Error("run.out_dir '" + out + "' holds an earlier run's results (" + joined(files) +
+                "), which this run would replace. Continue that run with --resume " + out +
+                " (or --resume auto), give this one another folder (--set run.out_dir=...), "
+                "or replace them with --overwrite");
+  remove_earlier_run(out, checkpoint_dir(cfg));
+  log.warn("--overwrite: removed the earlier run's {} from '{}'", joined(files), out);
+}
+
+/// The checkpoint this run continues from, "" for a fresh run; the folder checked either way.
+std::string resume_point(const TrainArgs& a, const ConfigWithPlugins& loaded, spdlog::logger& log) {
+  const Config& cfg = loaded.config;
+  const std::string mode =
+      !a.resume.empty() ? a.resume : (cfg.run.resume == "auto" && !a.overwrite ? "auto" : "");
+  std::string checkpoint;
+  if (mode == "auto")
+    checkpoint = auto_resume(loaded, log);
+  else if (!mode.empty())
+    checkpoint = explicit_resume(mode, loaded);
+  if (checkpoint.empty()) check_fresh_folder(a, cfg, log);
+  return checkpoint;
+}
+
+void load_resume(Learner& learner, const std::string& checkpoint, spdlog::logger& log) {
+  learner.load_checkpoint(checkpoint);
+  const FitPosition p = *learner.pending_resume();
+  if (p.done)
+    log.info("resuming from {}: that fit had ended; nothing is left to train", checkpoint);
+  else
+    log.info("resuming from {}: stage {} epoch {} batch {} ({} batches, {} steps done)",
+             checkpoint, p.stage + 1, p.epoch + 1, p.batch + 1, p.iteration, p.steps);
+}
+
+/// Runs the fit; an error is logged and recorded in `extra` (the report says why the run
+/// stopped). Returns the exit code.
+int fit(Learner& learner, const Config& cfg, nlohmann::json& extra, spdlog::logger& log) {
+  try {
+    learner.fit(cfg.stages);
+  } catch (const OomError& e) {
+    extra["error"] = e.what();
+    log.error("{}", e.what());
+    // Out of memory in forward or backward leaves the model as before the failed batch: a
+    // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
+    // the parameters: no checkpoint then.
+    if (e.phase() != OomError::Phase::Step) {
+      try {
+        CheckpointHistory history(checkpoint_path(cfg.run), cfg.run.keep_checkpoints);
+        extra["checkpoint"] = history.write(learner, checkpoint_info(cfg));
+        log.info("checkpoint of the failed batch's start saved to {}", extra["checkpoint"].get<std::string>());
+      } catch (const std::exception& ce) {
+        log.error("could not save a checkpoint after the out-of-memory error: {}", ce.what());
+      }
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    extra["error"] = e.what();
+    log.error("{}", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+const StopCallback* find_stop(const Learner& learner) {
+  for (const auto& c : learner.callbacks())
+    if (auto s = dynamic_cast<const StopCallback*>(c.get())) return s;
+  return nullptr;
+}
+
+/// A fit a signal stopped: the report's "interrupted" record, exit code 75.
+int note_interruption(const StopCallback& stop, const TrainArgs& a, nlohmann::json& extra,
+                      spdlog::logger& log) {
+  const FitPosition& p = stop.at();
+  const int sig = StopRequest::process().signal();
+  extra["interrupted"] = {{"signal", sig ? signal_name(sig) : "a stop request"},
+                          {"stage", p.stage}, {"epoch", p.epoch}, {"batch", p.batch},
+                          {"iteration", p.iteration}, {"steps", p.steps},
+                          {"checkpoint", stop.checkpoint()}, {"exit_code", kExitInterrupted}};
+  log.warn("interrupted: continue with `frugal train {} --resume auto` (exit code {})", a.config,
+           kExitInterrupted);
+  return kExitInterrupted;
+}
+
+}  // namespace
+
+CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
+  CLI::App* cmd = app.add_subcommand("train", "train a model as a TOML file describes, then write its report");
+  cmd->add_option("config", a.config, "the run's TOML file")->required();
+  cmd->add_option("--set", a.sets, "override a key, e.g. --set data.batch_size=64 (repeatable)");
+  auto* resume = cmd->add_option(
+      "--resume", a.resume,
+      "continue a run: a run folder (its newest checkpoint), a checkpoint file, or auto (this "
+      "config's unfinished run in run.out_dir; a fresh start when it holds none)");
+  cmd->add_flag("--overwrite", a.overwrite,
+                "start a new run in run.out_dir even though it holds an earlier run's results "
+                "(report, config.toml, checkpoints): those are removed first")
+      ->excludes(resume);
+  cmd->footer("Exit codes: 0 done; 1 error; 2 bad config; 75 stopped by SIGTERM, SIGINT or "
+              "run.preempt_signal after writing a checkpoint (rerun with --resume auto).");
+  return cmd;
+}
+
+int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
+  // Everything the config names is validated, and the output folder probed, before any work.
+  // `loaded` outlives the learner: what a plugin registered dies before its library.
+  const ConfigWithPlugins loaded = prepare_train(a);
+  const Config& cfg = loaded.config;
+  const RunLock lock(cfg.run.out_dir);  // held until the report is written
+  const std::string checkpoint = resume_point(a, loaded, *log);
+  StopRequest::install(stop_signals(cfg.run.preempt_signal));
+
+  auto learner = make_learner(cfg, &StopRequest::process());
+  for (auto& cb : loaded.callbacks) learner->add_callback(cb);
+  log->info("plugins: {}", joined(loaded.host->loaded()));
+  if (!checkpoint.empty()) load_resume(*learner, checkpoint, *log);
+  learner->add_callback(std::make_shared<ProgressCallback>(
+      ProgressCallback::parse_mode(cfg.run.progress), cfg.run.log_every, log));
+  log->info("training {} on {} ({} samples, batch {}) on {}, {} threads, LibTorch {}", cfg.model.arch,
+            cfg.data.dataset, learner->train_data().dataset().size(), cfg.data.batch_size,
+            learner->device().str(), at::get_num_threads(), compat::torch_version());
+
+  nlohmann::json extra = {{"plugins", loaded.host->loaded()}};
+  if (!checkpoint.empty()) extra["resumed_from"] = checkpoint;
+  int rc = fit(*learner, cfg, extra, *log);
+  const StopCallback* stop = find_stop(*learner);
+  if (rc == 0 && stop && stop->stopped()) rc = note_interruption(*stop, a, extra, *log);
+  auto report = make_report(*learner, cfg, extra);
+  write_report(cfg.run.out_dir, report, cfg);
+  std::cout << report_markdown(report) << std::flush;
+  log->info("report written to {}/report.md, report.json and config.toml", cfg.run.out_dir);
+  return rc;
+}
+
+}  // namespace frugal::cli
