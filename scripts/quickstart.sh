@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 bash third_party/install-deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)" --target frugal_cli
-exec build/bin/frugal train examples/configs/quickstart.toml "$@"
+# --overwrite: running the quick start again replaces runs/quickstart (a run refuses a folder
+# holding an earlier run's results unless told).
+exec build/bin/frugal train examples/configs/quickstart.toml --overwrite "$@"
