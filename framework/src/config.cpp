@@ -60,7 +60,7 @@ void RunOptions::visit(FieldVisitor& v) {
           {"off", "auto"});
   v.field("preempt_signal", preempt_signal,
           outside_training("a signal that, like SIGTERM and SIGINT, makes the run checkpoint and "
-                           "exit with code 75 (Slurm: --signal=B:USR1@120); \"none\" = off"),
+                           "exit with code 75 (Slurm: --signal=USR1@120); \"none\" = off"),
           {"SIGUSR1", "SIGUSR2", "SIGHUP", "SIGALRM", "SIGXCPU", "none"});
   v.field("warmup", warmup,
           "training batches at the start of each stage left out of the step-time statistics",
