@@ -445,8 +445,9 @@ TEST(ResumeConfig, TheMarkedRunKeysAreExactlyTheOnesThatMayDiffer) {
   std::sort(keys.begin(), keys.end());
   EXPECT_EQ(keys, (std::vector<std::string>{
                       "run.checkpoint_epochs", "run.checkpoint_every", "run.device",
-                      "run.log_every", "run.max_steps", "run.memory_budget", "run.micro_batch",
-                      "run.on_oom", "run.oom_retries", "run.out_dir", "run.progress",
+                      "run.keep_checkpoints", "run.log_every", "run.max_steps",
+                      "run.memory_budget", "run.micro_batch", "run.on_oom", "run.oom_retries",
+                      "run.out_dir", "run.preempt_signal", "run.progress", "run.resume",
                       "run.threads"}));
 }
 
