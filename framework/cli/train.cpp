@@ -173,8 +173,8 @@ int note_interruption(const StopCallback& stop, const TrainArgs& a, nlohmann::js
                           {"stage", p.stage}, {"epoch", p.epoch}, {"batch", p.batch},
                           {"iteration", p.iteration}, {"steps", p.steps},
                           {"checkpoint", stop.checkpoint()}, {"exit_code", kExitInterrupted}};
-  log.warn("interrupted: continue with `frugal train {} --resume auto` (exit code {})", a.config,
-           kExitInterrupted);
+  log.warn("interrupted (exit code {}): the same command with --resume auto continues it "
+           "(`frugal train {} --resume auto`, and the same --set options)", kExitInterrupted, a.config);
   return kExitInterrupted;
 }
 

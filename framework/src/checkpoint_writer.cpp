@@ -38,9 +38,21 @@ void CheckpointWriter::after_epoch(Learner& l) {
 void CheckpointWriter::after_fit(Learner& l) { write(l, "end of fit"); }
 
 void CheckpointWriter::write(Learner& l, const char* why) {
-  const std::string path = history_->write(l, info_);
-  if (path.empty()) return;  // sealed: an interrupted fit's checkpoint stays its last
+  // Set before the save, which stores it: a resumed run then keeps the cadence (it wrote one
+  // step late, at step 121 after resuming from step 120's checkpoint).
+  const int64_t before = saved_at_step_;
   saved_at_step_ = l.steps();
+  std::string path;
+  try {
+    path = history_->write(l, info_);
+  } catch (...) {
+    saved_at_step_ = before;
+    throw;
+  }
+  if (path.empty()) {  // sealed: an interrupted fit's checkpoint stays its last
+    saved_at_step_ = before;
+    return;
+  }
   ++written_;
   if (log_) {
     const FitPosition p = l.position();

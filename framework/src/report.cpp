@@ -122,7 +122,7 @@ std::string report_markdown(const nlohmann::json& r) {
     md << "**The run was interrupted** by " << i.value("signal", "a stop request") << " after stage "
        << i.value("stage", 0) + 1 << " epoch " << i.value("epoch", 0) + 1 << " batch "
        << i.value("batch", 0) << " (" << i.value("steps", 0) << " optimizer steps); its checkpoint `"
-       << i.value("checkpoint", "") << "` continues it (`frugal train CONFIG --resume auto`).\n\n";
+       << i.value("checkpoint", "") << "` continues it (the same command with `--resume auto`).\n\n";
   }
   if (fit.is_null()) return md.str();
 

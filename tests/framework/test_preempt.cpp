@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -272,4 +273,29 @@ TEST(Preempt, AStopWaitsForAClosedAccumulationGroupThenSealsTheHistory) {
   const auto pos = Learner::read_checkpoint(dir.file("last.ckpt"))["position"];
   EXPECT_FALSE(pos["done"].get<bool>()) << "the stopped fit's end wrote no other checkpoint";
   EXPECT_EQ(pos["iteration"].get<int64_t>(), 2);
+}
+
+TEST(Preempt, AResumeFromANumberedCheckpointKeepsTheWritersCadence) {
+  TempDir dir;
+  const std::string last = dir.file("ck/last.ckpt");
+  auto run = [&](const std::string& from) {
+    auto l = make_tiny_learner();
+    auto w = std::make_shared<CheckpointWriter>(last, 3, 0);
+    w->set_history(std::make_shared<CheckpointHistory>(last, 10));
+    l->add_callback(w);
+    if (!from.empty()) l->load_checkpoint(from);
+    l->fit(2);  // 8 steps: at 3, 6 and the end (8)
+  };
+  auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& f : CheckpointHistory(last, 10).numbered()) out.push_back(fs::path(f).filename());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  run("");
+  const std::vector<std::string> want = {numbered_checkpoint_name(3), numbered_checkpoint_name(6),
+                                         numbered_checkpoint_name(8)};
+  ASSERT_EQ(names(), want);
+  run(dir.file("ck/" + numbered_checkpoint_name(3)));
+  EXPECT_EQ(names(), want) << "the resumed run writes at 6 and 8 again, not at 4";
 }
