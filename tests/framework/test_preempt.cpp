@@ -40,18 +40,19 @@ std::string stoppable_config(const std::string& out_dir, const std::string& extr
          "[[stages]]\nname = \"second\"\nepochs = 2\n";
 }
 
-/// A `frugal train` child whose output goes to `log`.
+/// A `frugal train` child whose output goes to `log`. Everything is prepared before fork: the
+/// child of a threaded process only calls async-signal-safe functions (no malloc) before exec.
 pid_t start_train(const std::vector<std::string>& args, const std::string& log) {
   fs::remove(log);  // an earlier run's marker must not count
+  const std::string cli = cli_path();
+  std::vector<char*> argv = {const_cast<char*>(cli.c_str())};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
   const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   ::dup2(fd, 1);
   ::dup2(fd, 2);
-  const std::string cli = cli_path();
-  std::vector<char*> argv = {const_cast<char*>(cli.c_str())};
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
   ::execv(cli.c_str(), argv.data());
   ::_exit(127);
 }
