@@ -125,6 +125,7 @@ TEST(PreemptCli, SigtermMidEpochCheckpointsThenResumeEqualsTheUninterruptedRun) 
   ASSERT_TRUE(fs::exists(ckpt)) << "checkpoint_every = 0, yet a stop writes one";
   const auto at = Learner::read_checkpoint(ckpt)["position"];
   EXPECT_FALSE(at["done"].get<bool>()) << at.dump();
+  EXPECT_LT(at["batch"].get<int64_t>(), 512) << "stopped mid-epoch (512 batches an epoch): " << at.dump();
   const auto report = report_of(out);
   ASSERT_TRUE(report.contains("interrupted")) << report.dump(2);
   EXPECT_EQ(report["interrupted"]["signal"], "SIGTERM");
@@ -215,6 +216,13 @@ TEST(PreemptCli, ANewRunDoesNotReplaceAnEarlierOneUnlessOverwrite) {
   r = run_cli("train " + dir.file("run.toml") + " --resume auto --set optimizer.lr=0.1");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("optimizer.lr (checkpoint 0.003"), std::string::npos) << r.output;
+
+  // Resuming another folder's run into this one would replace this one's results.
+  const std::string other = dir.file("other");
+  ASSERT_EQ(run_cli("train " + dir.file("run.toml") + " --set run.out_dir=\"" + other + "\"").exit_code, 0);
+  r = run_cli("train " + dir.file("run.toml") + " --resume " + other);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("holds another run's results"), std::string::npos) << r.output;
 
   r = run_cli("train " + dir.file("run.toml") + " --overwrite");
   EXPECT_EQ(r.exit_code, 0) << r.output;
