@@ -26,9 +26,10 @@ inline std::string cli_path() {
   return ec ? "frugal" : (self.parent_path() / "frugal").string();
 }
 
-inline CliResult run_cli(const std::string& args, const std::string& env = "") {
+/// Runs a shell command; stdout and stderr together.
+inline CliResult run_cli_command(const std::string& command) {
   CliResult r;
-  const std::string cmd = env + " " + cli_path() + " " + args + " 2>&1";
+  const std::string cmd = command + " 2>&1";
   FILE* f = ::popen(cmd.c_str(), "r");
   if (!f) return r;
   std::array<char, 4096> buf{};
@@ -37,6 +38,10 @@ inline CliResult run_cli(const std::string& args, const std::string& env = "") {
   const int status = ::pclose(f);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+inline CliResult run_cli(const std::string& args, const std::string& env = "") {
+  return run_cli_command(env + " " + cli_path() + " " + args);
 }
 
 inline void write_text(const std::string& path, const std::string& text) { std::ofstream(path) << text; }

@@ -9,6 +9,7 @@
 
 #include "frugal/checkpoint_writer.h"
 #include "frugal/error.h"
+#include "frugal/model_export.h"
 #include "frugal/registry.h"
 #include "frugal/trace.h"
 
@@ -39,6 +40,10 @@ ModelInput model_input(const Config& c, const Dataset* data) {
 }
 
 }  // namespace
+
+torch::nn::Sequential make_config_model(const Config& c) {
+  return named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
+}
 
 torch::Device resolve_device(const std::string& device) {
   if (device == "cpu") return torch::kCPU;
@@ -108,6 +113,8 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   if (stop)
     learner->add_callback(std::make_shared<StopCallback>(*stop, history, checkpoint_info(c),
                                                          spdlog::default_logger()));
+  learner->add_callback(std::make_shared<ModelExport>(
+      model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
   learner->set_warmup_batches(c.run.warmup);
   if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   OomPolicy oom;

@@ -44,10 +44,16 @@ RunLock::~RunLock() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+namespace {
+/// The files a run leaves in its folder: its results.
+constexpr const char* kRunFiles[] = {"report.json", "report.md", "config.toml", "model.pt",
+                                     "model.safetensors"};
+}  // namespace
+
 std::vector<std::string> earlier_run_files(const std::string& dir, const std::string& checkpoint_dir) {
   std::vector<std::string> out;
   std::error_code ec;
-  for (const char* name : {"report.json", "report.md", "config.toml"})
+  for (const char* name : kRunFiles)
     if (fs::exists(fs::path(dir) / name, ec)) out.push_back(name);
   if (fs::is_directory(checkpoint_dir, ec) && !fs::is_empty(checkpoint_dir, ec))
     out.push_back(fs::path(checkpoint_dir).lexically_relative(dir).string() + "/");
@@ -56,7 +62,7 @@ std::vector<std::string> earlier_run_files(const std::string& dir, const std::st
 
 void remove_earlier_run(const std::string& dir, const std::string& checkpoint_dir) {
   std::error_code ec;
-  for (const char* name : {"report.json", "report.md", "config.toml"}) fs::remove(fs::path(dir) / name, ec);
+  for (const char* name : kRunFiles) fs::remove(fs::path(dir) / name, ec);
   if (fs::is_directory(checkpoint_dir, ec)) {
     fs::remove_all(checkpoint_dir, ec);
     if (ec)

@@ -30,6 +30,7 @@ class ForwardNext {
 ///
 ///   kTrace               the timeline: its spans include every other hook
 ///   kCheckpointWriter    saves in after_* once every other callback has updated its state
+///   kModelExport         writes the trained model once the fit's other after_fit hooks ran
 ///   -- state changes between stages, before anything measures the stage --
 ///   kModelRewrite        rewrites the model's modules (in-place activations)
 ///   kOptimizerSwap       replaces the optimizer
@@ -45,6 +46,7 @@ class ForwardNext {
 namespace order {
 inline constexpr int kTrace = -1000000;
 inline constexpr int kCheckpointWriter = -1000;
+inline constexpr int kModelExport = -900;
 inline constexpr int kModelRewrite = -100;
 inline constexpr int kOptimizerSwap = -20;
 inline constexpr int kPurge = -10;

@@ -25,6 +25,11 @@ void check_config(const Config& c);
 /// CheckpointHistory (run.keep_checkpoints).
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop = nullptr);
 
+/// The model the config describes, freshly initialised, for the shapes the config alone gives
+/// (no data is read): what load_run_model fills with a run's exported weights. Throws
+/// ConfigError naming the file and `model`.
+torch::nn::Sequential make_config_model(const Config& c);
+
 /// <out_dir>/checkpoints/last.ckpt: where a run's periodic checkpoints go.
 std::string checkpoint_path(const RunOptions& r);
 /// What every checkpoint of a run stores about it: {"config": the resolved config TOML}.

@@ -1,0 +1,164 @@
+// The trained model kept: every finished run writes model.pt (weights only) and
+// model.safetensors; both load back exactly, from C++ and from Python; damaged or foreign
+// files are refused with the file's name.
+#include <filesystem>
+#include <fstream>
+
+#include "cli_support.h"
+#include "frugal/frugal.h"
+#include "frugal/model_export.h"
+#include "frugal/run.h"
+#include "frugal/safetensors.h"
+#include "support.h"
+
+namespace frugal::test {
+namespace {
+
+std::string run_config(const std::string& out_dir, const std::string& arch = "mlp") {
+  return "[run]\nout_dir = \"" + out_dir + "\"\nprogress = \"none\"\nthreads = 1\n"
+         "[data]\ndataset = \"synthetic\"\nsamples = 64\nimage_size = 8\nclasses = 4\n"
+         "batch_size = 16\nvalid_samples = 32\n"
+         "[model]\narch = \"" + arch + "\"\nwidth = 8\ndepth = 1\n"
+         "[[stages]]\nname = \"only\"\nepochs = 1\n";
+}
+
+/// Trains the config of `out_dir` through the CLI; returns its output.
+std::string train(const TempDir& dir, const std::string& out, const std::string& arch = "mlp") {
+  write_text(dir.file(arch + ".toml"), run_config(out, arch));
+  const CliResult r = run_cli("train " + dir.file(arch + ".toml"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return r.output;
+}
+
+TEST(Safetensors, RoundTripKeepsNamesDtypesShapesAndBytes) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, torch::Tensor>> tensors = {
+      {"w", torch::randn({3, 5})},
+      {"half", torch::randn({7}).to(torch::kHalf)},
+      {"bf", torch::randn({2, 2}).to(torch::kBFloat16)},
+      {"ids", torch::arange(10, torch::kLong).view({2, 5})},
+      {"mask", torch::tensor({true, false, true})},
+      {"scalar", torch::tensor(3.5, torch::kDouble)},
+      {"empty", torch::zeros({0, 4})},
+      {"strided", torch::randn({4, 6}).t()}};  // not contiguous: written row-major
+  safetensors::write(dir.file("t.safetensors"), tensors, {{"format", "pt"}});
+  std::map<std::string, std::string> meta;
+  const auto back = safetensors::read(dir.file("t.safetensors"), &meta);
+  EXPECT_EQ(meta.at("format"), "pt");
+  ASSERT_EQ(back.size(), tensors.size());
+  for (const auto& [name, t] : tensors) {
+    ASSERT_TRUE(back.count(name)) << name;
+    EXPECT_EQ(back.at(name).scalar_type(), t.scalar_type()) << name;
+    EXPECT_EQ(back.at(name).sizes(), t.sizes()) << name;
+    EXPECT_TRUE(torch::equal(back.at(name), t)) << name;
+  }
+  // The data starts at a multiple of 8, as the format recommends.
+  uint64_t n = 0;
+  std::ifstream(dir.file("t.safetensors"), std::ios::binary).read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ((8 + n) % 8, 0u);
+}
+
+/// The file's bytes after `edit`, written back.
+void edit_file(const std::string& path, const std::function<void(std::string&)>& edit) {
+  std::string bytes = read_text(path);
+  edit(bytes);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST(Safetensors, DamagedFilesAreRefusedNamingTheFileAndWhat) {
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  const auto expect_refused = [&](const std::function<void(std::string&)>& edit, const char* what) {
+    safetensors::write(path, {{"a", torch::ones({4})}, {"b", torch::zeros({2, 2})}});
+    edit_file(path, edit);
+    try {
+      safetensors::read(path);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_refused([](std::string& b) { b.resize(5); }, "shorter than");
+  expect_refused([](std::string& b) { b[7] = '\x7f'; }, "beyond the end");
+  expect_refused([](std::string& b) { b[8] = '#'; }, "not JSON");
+  expect_refused([](std::string& b) { b.resize(b.size() - 4); }, "outside the file");
+  expect_refused([](std::string& b) { b.replace(b.find("[2,2]"), 5, "[2,3]"); }, "disagree");
+  expect_refused([](std::string& b) { b.replace(b.find("F32"), 3, "F99"); }, "unknown dtype");
+  expect_refused([](std::string& b) { b.replace(b.find("[16,32]"), 7, "[12,28]"); }, "overlap");
+}
+
+TEST(ModelExport, AFinishedRunKeepsItsWeightsAndTheyLoadBackExactly) {
+  TempDir dir;
+  const std::string out = dir.file("run");
+  train(dir, out);
+  ASSERT_TRUE(std::filesystem::exists(out + "/model.pt"));
+  ASSERT_TRUE(std::filesystem::exists(out + "/model.safetensors"));
+  const RunModel run = load_run_model(out);
+  const auto weights = safetensors::read(out + "/model.safetensors");
+  const auto named = run.model->named_parameters();
+  ASSERT_EQ(weights.size(), named.size() + run.model->named_buffers().size());
+  for (const auto& p : named) {
+    ASSERT_TRUE(weights.count(p.key())) << p.key();
+    EXPECT_TRUE(torch::equal(weights.at(p.key()), p.value())) << p.key();
+  }
+  // A freshly initialised model differs: the weights did load.
+  torch::manual_seed(123);
+  auto fresh = make_config_model(run.loaded.config);
+  EXPECT_FALSE(torch::equal(fresh->parameters().front(), run.model->parameters().front()));
+}
+
+TEST(ModelExport, PythonReadsTheSafetensorsFileByTheFormatAlone) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "Debian's python3-torch is not installed";
+  TempDir dir;
+  const std::string out = dir.file("run");
+  train(dir, out);
+  // What safetensors.torch.load_file does, in plain Python: length, JSON header, raw bytes.
+  write_text(dir.file("read.py"),
+             "import json, struct, sys, torch\n"
+             "b = open(sys.argv[1], 'rb').read()\n"
+             "n = struct.unpack('<Q', b[:8])[0]\n"
+             "h = json.loads(b[8:8 + n])\n"
+             "data = b[8 + n:]\n"
+             "for k in sorted(h):\n"
+             "    if k == '__metadata__': continue\n"
+             "    s, e = h[k]['data_offsets']\n"
+             "    t = torch.frombuffer(bytearray(data[s:e]), dtype=torch.float32).view(h[k]['shape'])\n"
+             "    print(k, '%.6f' % t.double().sum().item())\n");
+  const CliResult py = run_cli_command("/usr/bin/python3 " + dir.file("read.py") + " " + out + "/model.safetensors");
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  const RunModel run = load_run_model(out);
+  for (const auto& p : run.model->named_parameters()) {
+    char line[256];
+    std::snprintf(line, sizeof line, "%s %.6f\n", p.key().c_str(), p.value().to(torch::kDouble).sum().item<double>());
+    EXPECT_NE(py.output.find(line), std::string::npos) << line << " not in:\n" << py.output;
+  }
+}
+
+TEST(ModelExport, ARunFolderWithoutAModelOrWithAnotherModelIsRefusedNamingTheFile) {
+  TempDir dir;
+  EXPECT_THROW(load_run_model(dir.file("nowhere")), ConfigError);
+  const std::string mlp = dir.file("mlp-run"), cnn = dir.file("cnn-run");
+  train(dir, mlp, "mlp");
+  train(dir, cnn, "cnn");
+  // The cnn run's config with the mlp's weights: every shape is checked before loading.
+  std::filesystem::copy_file(mlp + "/model.pt", cnn + "/model.pt",
+                             std::filesystem::copy_options::overwrite_existing);
+  try {
+    load_run_model(cnn);
+    ADD_FAILURE() << "loaded another model's weights";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(cnn + "/model.pt"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(cnn + "/model.pt");
+  try {
+    load_run_model(cnn);
+    ADD_FAILURE() << "loaded a run without model.pt";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("no trained model"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace frugal::test
