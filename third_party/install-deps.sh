@@ -12,7 +12,9 @@ pkgs=(
   libtomlplusplus-dev libspdlog-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev
   gnuplot-nox             # plots in reports; optional at run time
 )
-[ "${1:-}" = "--no-data" ] || pkgs+=(dataset-fashion-mnist)
+# Real data for the examples: Fashion-MNIST, and (text, for the gpt examples) about 2.6 MB of
+# English in /usr/share/games/fortunes. The tests make their own data.
+[ "${1:-}" = "--no-data" ] || pkgs+=(dataset-fashion-mnist fortunes)
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -76,6 +76,11 @@ std::pair<double, double> image_stats(const torch::Tensor& images_u8) {
 Dataset Dataset::head(int64_t n) const {
   if (n <= 0 || n >= size()) return *this;
   Dataset d = *this;
+  if (is_text()) {  // the first n windows; the corpus keeps only the bytes they read
+    d.windows = n;
+    if (n * block_size + 1 < tokens.numel()) d.tokens = tokens.narrow(0, 0, n * block_size + 1).clone();
+    return d;
+  }
   // clone() so the rest of the full dataset can be freed.
   d.images = images.narrow(0, 0, n).clone();
   d.labels = labels.narrow(0, 0, n).clone();
@@ -269,6 +274,10 @@ DataLoader::DataLoader(Dataset data, int64_t batch_size, bool shuffle, uint64_t 
 
 void DataLoader::set_epoch(int64_t epoch) {
   const int64_t n = data_.size();
+  if (data_.is_text()) {
+    order_ = text_window_starts(data_, shuffle_, seed_ + static_cast<uint64_t>(epoch));
+    return;
+  }
   order_.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) order_[i] = i;
   if (!shuffle_) return;
@@ -292,6 +301,7 @@ Batch DataLoader::batch(int64_t i) const {
                       " batches");
   const int64_t start = i * batch_size_;
   const int64_t count = std::min(batch_size_, data_.size() - start);
+  if (data_.is_text()) return text_batch(start, count);
   torch::Tensor images, labels;
   if (shuffle_) {
     auto idx = torch::from_blob(const_cast<int64_t*>(order_.data()) + start, {count}, torch::kLong);
