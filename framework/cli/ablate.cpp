@@ -48,9 +48,11 @@ struct Row {
   std::vector<StageRow> stages;
   double median = 0, p10 = 0, p90 = 0, samples_per_second = 0, final_loss = 0;
   double accuracy = -1;  ///< -1: not validated
+  double valid_loss = -1;  ///< nats per target element (sample or token); -1: not validated
+  bool lm = false;         ///< a language model: its metric is the validation loss
   // relative to the baseline (when both worked)
   bool relative = false;
-  double saved_percent = 0, slowdown = 0, accuracy_change = 0;
+  double saved_percent = 0, slowdown = 0, accuracy_change = 0, loss_change = 0;
   bool pareto = false;
 };
 
@@ -131,6 +133,8 @@ void summarize(Row& row, const std::vector<ChildResult>& reps) {
     }
     row.final_loss = get_d(fit, "final_loss");
     row.accuracy = get_d(fit, "valid_accuracy", -1);
+    row.valid_loss = get_d(fit, "valid_loss", -1);
+    row.lm = fit.value("task", std::string()) == "language_model";
   }
   if (row.ok) {
     row.error.clear();
@@ -150,6 +154,7 @@ void compare(std::vector<Row>& rows) {
     r.saved_percent = base.peak > 0 ? 100.0 * (1.0 - static_cast<double>(r.peak) / base.peak) : 0;
     r.slowdown = base.median > 0 ? r.median / base.median : 0;
     r.accuracy_change = r.accuracy >= 0 && base.accuracy >= 0 ? 100.0 * (r.accuracy - base.accuracy) : 0;
+    r.loss_change = r.valid_loss >= 0 && base.valid_loss >= 0 ? r.valid_loss - base.valid_loss : 0;
   }
   // The memory x speed Pareto front: no other run is at least as small and as fast, and
   // strictly better in one.
@@ -193,10 +198,13 @@ json row_json(const Row& r) {
   j["samples_per_second"] = r.samples_per_second;
   j["final_loss"] = r.final_loss;
   if (r.accuracy >= 0) j["valid_accuracy"] = r.accuracy;
+  if (r.valid_loss >= 0) j["valid_loss"] = r.valid_loss;
+  j["task"] = r.lm ? "language_model" : "classification";
   if (r.relative) {
     j["memory_saved_percent"] = r.saved_percent;
     j["slowdown"] = r.slowdown;
     if (r.accuracy >= 0) j["accuracy_change_points"] = r.accuracy_change;
+    if (r.valid_loss >= 0) j["valid_loss_change"] = r.loss_change;
   }
   return j;
 }
@@ -214,11 +222,12 @@ std::string results_csv(const std::vector<Row>& rows) {
   for (const char* p : kPhases) os << "," << p << "_peak_bytes";
   for (const char* c : kCategories) os << ",steady_" << c << "_bytes";
   os << ",step_median_s,step_p10_s,step_p90_s,samples_per_second,final_loss,valid_accuracy,"
-        "memory_saved_percent,slowdown,accuracy_change_points,pareto,error\n";
+        "memory_saved_percent,slowdown,accuracy_change_points,valid_loss,valid_loss_change,pareto,"
+        "error\n";
   for (const auto& r : rows) {
     os << csv_field(r.run.name) << "," << csv_field(join_on(r.run.on)) << "," << (r.ok ? 1 : 0);
     if (!r.ok) {
-      for (int i = 0; i < 2 + 4 + 6 + 6 + 3; ++i) os << ",";
+      for (int i = 0; i < 2 + 4 + 6 + 6 + 3 + 2; ++i) os << ",";
       os << ",0," << csv_field(r.error) << "\n";
       continue;
     }
@@ -231,6 +240,8 @@ std::string results_csv(const std::vector<Row>& rows) {
        << (r.relative ? fixed(r.saved_percent, 3) : "") << ","
        << (r.relative ? fixed(r.slowdown, 4) : "") << ","
        << (r.relative && r.accuracy >= 0 ? fixed(r.accuracy_change, 3) : "") << ","
+       << (r.valid_loss >= 0 ? fixed(r.valid_loss, 6) : "") << ","
+       << (r.relative && r.valid_loss >= 0 ? fixed(r.loss_change, 6) : "") << ","
        << (r.pareto ? 1 : 0) << ",\n";
   }
   return os.str();
@@ -325,8 +336,11 @@ void report_header(std::ostream& md, const json& meta) {
 
 /// One row per run, by peak live memory (failed runs last), with the Pareto marks.
 void runs_table(std::ostream& md, const std::vector<const Row*>& order) {
+  // A language model's metric is its validation loss (nats/token); a classifier's, accuracy.
+  const bool lm = std::any_of(order.begin(), order.end(), [](const Row* r) { return r->lm; });
   md << "| run | techniques | peak live | saved | steady activations | step median (p10-p90) | "
-        "samples/s | slowdown | final loss | valid accuracy (change) | Pareto |\n";
+        "samples/s | slowdown | final loss | "
+     << (lm ? "valid loss, nats/token (change)" : "valid accuracy (change)") << " | Pareto |\n";
   md << "|---|---|---:|---:|---:|---|---:|---:|---:|---|:---:|\n";
   for (const Row* r : order) {
     md << "| " << r->run.name << " | " << join_on(r->run.on, ", ") << " | ";
@@ -340,7 +354,9 @@ void runs_table(std::ostream& md, const std::vector<const Row*>& order) {
        << fixed(r->samples_per_second, 0) << " | "
        << (r->relative ? fixed(r->slowdown, 2) + "x" : "-") << " | " << fixed(r->final_loss, 4)
        << " | ";
-    if (r->accuracy >= 0)
+    if (lm && r->valid_loss >= 0)
+      md << fixed(r->valid_loss, 4) << (r->relative ? " (" + signed_fixed(r->loss_change, 4) + ")" : "");
+    else if (!lm && r->accuracy >= 0)
       md << fixed(100 * r->accuracy, 2) << "%"
          << (r->relative ? " (" + signed_fixed(r->accuracy_change, 2) + ")" : "");
     else

@@ -200,6 +200,7 @@ nlohmann::json to_json(const ResumeRecord& r) {
           {"optimizer", r.optimizer},
           {"loss_count", r.loss_count},
           {"valid_accuracy", r.valid_accuracy},
+          {"valid_sums", {r.valid_sums.loss_sum, r.valid_sums.count, r.valid_sums.correct}},
           {"info", r.info}};
 }
 
@@ -232,6 +233,10 @@ ResumeRecord read_resume(InputArchive& a, const std::string& path) {
   r.loss_count = j.at("loss_count").get<int64_t>();
   r.valid_accuracy = number(j, "valid_accuracy");
   if (std::isnan(r.valid_accuracy)) r.valid_accuracy = -1;
+  if (auto it = j.find("valid_sums"); it != j.end() && it->is_array() && it->size() == 3 &&
+                                      (*it)[0].is_number() && (*it)[1].is_number_integer() &&
+                                      (*it)[2].is_number_integer())
+    r.valid_sums = MetricSums{(*it)[0].get<double>(), (*it)[1].get<int64_t>(), (*it)[2].get<int64_t>()};
   r.info = j.value("info", nlohmann::json());
   try {
     for (const auto& s : j.at("stats")) r.stats.push_back(stats_from_json(s));
@@ -252,7 +257,8 @@ nlohmann::json stats_to_json(const StageStats& s) {
           {"samples", s.samples},
           {"train_seconds", s.train_seconds},
           {"last_epoch_loss", s.last_epoch_loss},
-          {"valid_accuracy", s.valid_accuracy}};
+          {"valid_accuracy", s.valid_accuracy},
+          {"valid_loss", s.valid_loss}};
 }
 
 StageStats stats_from_json(const nlohmann::json& j) {
@@ -274,6 +280,7 @@ StageStats stats_from_json(const nlohmann::json& j) {
   s.train_seconds = number(j, "train_seconds");
   s.last_epoch_loss = number(j, "last_epoch_loss");
   s.valid_accuracy = number(j, "valid_accuracy");
+  s.valid_loss = j.contains("valid_loss") ? number(j, "valid_loss") : -1;
   return s;
 }
 

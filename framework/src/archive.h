@@ -20,6 +20,7 @@
 
 #include "frugal/fit_stats.h"
 #include "frugal/rng.h"
+#include "frugal/task.h"
 
 namespace frugal::archive {
 
@@ -69,6 +70,7 @@ struct ResumeRecord {
   std::string optimizer;               ///< the optimizer at the position
   int64_t loss_count = 0;              ///< batches in the position epoch's running loss
   double valid_accuracy = -1;
+  MetricSums valid_sums;  ///< the last validation's (count 0: none)
   std::vector<StageStats> stats;
   nlohmann::json info;  ///< stored as is (the CLI keeps the resolved config there)
 };

@@ -98,7 +98,7 @@ void RunOptions::check() const {
 }
 
 void DataOptions::visit(FieldVisitor& v) {
-  v.field("dataset", dataset, "dataset: fashion-mnist, synthetic or one a plugin registers");
+  v.field("dataset", dataset, "dataset: fashion-mnist, synthetic, text or one a plugin registers");
   v.field("path", path, "directory holding the dataset's files (fashion-mnist: the IDX files)");
   v.field("batch_size", batch_size, "training batch size", at_least(1));
   v.field("valid_batch_size", valid_batch_size, "validation batch size", at_least(1));
@@ -112,6 +112,13 @@ void DataOptions::visit(FieldVisitor& v) {
           at_least(1));
   v.field("classes", classes, "synthetic data: number of classes", at_least(2));
   v.field("samples", samples, "synthetic data: number of training samples", at_least(1));
+  v.field("paths", paths,
+          "text data: files or folders (their text files, recursively, sorted) read as one byte "
+          "corpus");
+  v.field("block_size", block_size, "text data: tokens (bytes) per window", at_least(2));
+  v.field("windows_per_epoch", windows_per_epoch,
+          "text data: random training windows per epoch; 0 = training bytes / block_size",
+          at_least(0));
 }
 
 void ModelOptions::visit(FieldVisitor& v) {
@@ -123,6 +130,11 @@ void ModelOptions::visit(FieldVisitor& v) {
   v.field("dropout", dropout, "dropout probability", half_open(0, 1));
   v.field("patch", patch, "vit: patch size in pixels", at_least(1));
   v.field("heads", heads, "vit: attention heads; must divide width", at_least(1));
+  v.field("n_layer", n_layer, "gpt: transformer blocks", at_least(1));
+  v.field("n_head", n_head, "gpt: attention heads; must divide n_embd", at_least(1));
+  v.field("n_embd", n_embd, "gpt: embedding size", at_least(1));
+  v.field("block_size", block_size, "gpt: longest context in tokens; 0 = data.block_size",
+          at_least(0));
 }
 
 void ModelOptions::check() const {
@@ -131,6 +143,12 @@ void ModelOptions::check() const {
     throw_config_error("'model.width' (" + std::to_string(width) +
                        ") must be divisible by 'model.heads' (" + std::to_string(heads) +
                        ") for arch \"vit\"; e.g. width = " + std::to_string(fixed));
+  }
+  if (arch == "gpt" && n_embd % n_head != 0) {
+    const int64_t fixed = (n_embd / n_head + 1) * n_head;
+    throw_config_error("'model.n_embd' (" + std::to_string(n_embd) +
+                       ") must be divisible by 'model.n_head' (" + std::to_string(n_head) +
+                       ") for arch \"gpt\"; e.g. n_embd = " + std::to_string(fixed));
   }
 }
 
@@ -144,6 +162,10 @@ void StageOptions::visit(FieldVisitor& v) {
   v.field("epochs", epochs, "epochs in this stage", at_least(0));
   v.field("freeze", freeze, "module-name prefixes whose parameters do not train in this stage");
   v.field("image_size", image_size, "resize inputs to this size; 0 = the data's own size",
+          at_least(0));
+  v.field("seq_len", seq_len,
+          "text: train on windows of this many tokens (sequence-length warm-up); 0 = "
+          "data.block_size",
           at_least(0));
   v.table("optimizer", optimizer, "this stage's optimizer; keys it omits inherit [optimizer]",
           &has_optimizer);

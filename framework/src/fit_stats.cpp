@@ -103,6 +103,7 @@ nlohmann::json stage_json(const StageStats& s, const std::vector<double>& steps)
       {"step_seconds", step_seconds_json(steps)},
       {"loss", s.last_epoch_loss}};
   if (s.valid_accuracy >= 0) j["valid_accuracy"] = s.valid_accuracy;
+  if (s.valid_loss >= 0) j["valid_loss"] = s.valid_loss;
   return j;
 }
 

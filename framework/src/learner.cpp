@@ -30,7 +30,8 @@ Learner::Learner(torch::nn::Sequential model, DataLoader train, std::optional<Da
       loss_fn_(std::move(loss)),
       train_(std::move(train)),
       valid_(std::move(valid)),
-      device_(device) {
+      device_(device),
+      task_(task_for(train_.dataset())) {
   if (!loss_fn_) throw_usage_error("Learner needs a loss function");
   model_->to(device_);
   train_.set_device(device_);
@@ -183,7 +184,13 @@ double Learner::epoch_loss() const {
 }
 
 nlohmann::json Learner::report() const {
-  nlohmann::json out = stats_.report(warmup_batches_, iteration_, steps_, valid_accuracy_);
+  nlohmann::json out = stats_.report(warmup_batches_, iteration_, steps_, valid_accuracy());
+  out["task"] = task_.name();
+  // What each stage fed the model: its sequence length (text) shows the warm-up's effect.
+  const Dataset& d = train_.dataset();
+  for (size_t i = 0; d.is_text() && i < out["stages"].size() && i < stages_.size(); ++i)
+    out["stages"][i]["seq_len"] = stages_[i].seq_len > 0 ? stages_[i].seq_len : d.block_size;
+  if (valid_sums_.count > 0) out.update(task_.to_json(valid_sums_));
   if (oom_.budget > 0 || oom_.retry || oom_.auto_micro_batch || micro_.oom_count() > 0)
     out["oom"] = micro_.report(oom_);
   return out;

@@ -71,7 +71,8 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
   // The running loss belongs to the position's epoch only while it trains; between epochs it
   // is the finished epoch's.
   r.loss_count = training_ ? loss_count_ : 0;
-  r.valid_accuracy = valid_accuracy_;
+  r.valid_accuracy = valid_accuracy();
+  r.valid_sums = valid_sums_;
   r.stats = stats_.stages();
   r.info = info;
 
@@ -142,7 +143,7 @@ size_t Learner::prepare_resume() {
   iteration_ = p.iteration;
   steps_ = p.steps;
   global_epoch_ = p.data_epoch;
-  valid_accuracy_ = r.record.valid_accuracy;
+  valid_sums_ = r.record.valid_sums;
   return first;
 }
 

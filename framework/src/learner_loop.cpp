@@ -94,6 +94,11 @@ void Learner::check_fit(const std::vector<Stage>& stages) const {
     if (s.image_size < 0)
       throw_config_error("stage '" + s.name + "': image_size must be >= 0, got " +
                          std::to_string(s.image_size));
+    const Dataset& d = train_.dataset();
+    if (s.seq_len < 0 || (d.is_text() && s.seq_len > d.block_size))
+      throw_config_error("stage '" + s.name + "': seq_len = " + std::to_string(s.seq_len) +
+                         " must be in [0, data.block_size = " + std::to_string(d.block_size) +
+                         "] (0 = the whole window)");
     for (const auto& prefix : s.freeze) {
       const bool hit = std::any_of(names.begin(), names.end(),
                                    [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
@@ -161,6 +166,7 @@ void Learner::setup_stage(const Stage& s) {
   unfreeze();
   if (!s.freeze.empty()) freeze(s.freeze);
   train_.set_image_size(s.image_size);
+  train_.set_seq_len(s.seq_len);  // validation keeps whole windows: one score for every stage
   if (valid_) valid_->set_image_size(s.image_size);
   if (s.has_optimizer) set_optimizer(s.optimizer);
 }
@@ -217,7 +223,10 @@ void Learner::run_epoch() {
   fire(Event::AfterTrain);
   training_ = false;
 
-  if (valid_ && !stop_fit_) stats_.stage().valid_accuracy = validate();
+  if (valid_ && !stop_fit_) {
+    stats_.stage().valid_accuracy = validate();
+    stats_.stage().valid_loss = valid_sums_.mean_loss();
+  }
   next_ = FitPosition{stage_index_, epoch_ + 1, 0, global_epoch_, iteration_, steps_};
   next_.stop_fit = stop_fit_;
   fire(Event::AfterEpoch);
@@ -388,22 +397,21 @@ double Learner::validate() {
   model_->eval();
   phase_window_.reset();
   fire(Event::BeforeValidate);
-  torch::Tensor correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device_));
-  int64_t total = 0;
+  auto correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device_));
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+  int64_t count = 0;
   {
     torch::NoGradGuard no_grad;
     for (int64_t i = 0; i < valid_->num_batches(); ++i) {
       Batch b = valid_->batch(i);
-      torch::Tensor p = forward(b.x);
-      correct += p.argmax(1).eq(b.y).sum();
-      total += b.size();
+      add_batch_sums(forward(b.x), b.y, loss_sum, correct, count);
     }
   }
-  valid_accuracy_ = total ? static_cast<double>(correct.item<int64_t>()) / static_cast<double>(total) : 0;
+  valid_sums_ = MetricSums{loss_sum.item<double>(), count, correct.item<int64_t>()};
   fire(Event::AfterValidate);
   note_phase_peak(Phase::Validate, phase_window_.peak());
   if (was_training) model_->train();
-  return valid_accuracy_;
+  return valid_accuracy();
 }
 
 // ---------------------------------------------------------------- micro-batch probe

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "frugal/registry.h"
+#include "gpt.h"
 
 namespace frugal {
 namespace {
@@ -42,6 +43,9 @@ int64_t single_size(const std::string& arch, const ModelInput& in) {
 }
 
 void check_input(const std::string& arch, const ModelInput& in, int64_t min_size) {
+  if (in.block_size > 0)
+    throw_config_error("model '" + arch + "' takes images, but the data are text (tokens); use "
+                       "model.arch = \"gpt\" for text");
   if (in.channels < 1 || in.num_classes < 1)
     throw_config_error("model '" + arch + "' needs channels >= 1 and classes >= 1; got " +
                        str(in.channels) + " channels and " + str(in.num_classes) + " classes");
@@ -251,7 +255,10 @@ nn::Sequential make_vit(const ModelOptions& o, const ModelInput& in) {
 LossFn cross_entropy(const LossOptions& o) {
   const double smoothing = o.label_smoothing;
   return [smoothing](const torch::Tensor& pred, const torch::Tensor& target) {
-    return F::cross_entropy(pred, target, F::CrossEntropyFuncOptions().label_smoothing(smoothing));
+    // Logits [..., C] with targets [...]: one prediction per token of a sequence too.
+    const auto opts = F::CrossEntropyFuncOptions().label_smoothing(smoothing);
+    if (pred.dim() <= 2) return F::cross_entropy(pred, target, opts);
+    return F::cross_entropy(pred.reshape({-1, pred.size(-1)}), target.reshape({-1}), opts);
   };
 }
 
@@ -264,6 +271,10 @@ Dataset synthetic(const DataOptions& o, bool train) {
   return make_synthetic(n, o.channels, o.image_size, o.image_size, o.classes, train ? 1 : 2);
 }
 
+Dataset text(const DataOptions& o, bool train) {
+  return load_text(o.paths, o.block_size, o.windows_per_epoch, train);
+}
+
 }  // namespace
 
 Registry<ModelFactory>& models() {
@@ -274,6 +285,8 @@ Registry<ModelFactory>& models() {
     r.add("resnet", make_resnet,
           "residual basic blocks layer1..layer<depth>; even layers halve the size");
     r.add("vit", make_vit, "vision transformer: embed, layer1..layer<depth>, head");
+    r.add("gpt", make_gpt,
+          "decoder-only transformer over bytes: embed, block0..block<n_layer-1>, ln_f, head");
     return true;
   }();
   (void)builtins;
@@ -295,6 +308,7 @@ Registry<DatasetFactory>& datasets() {
   static const bool builtins = [] {
     r.add("fashion-mnist", fashion_mnist, "Fashion-MNIST from data.path (dataset-fashion-mnist)");
     r.add("synthetic", synthetic, "random images with learnable labels of any shape");
+    r.add("text", text, "byte-level tokens of text files (data.paths) in windows of block_size");
     return true;
   }();
   (void)builtins;

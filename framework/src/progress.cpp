@@ -28,6 +28,7 @@ void ProgressCallback::before_stage(Learner& l) {
   std::ostringstream os;
   os << "stage " << l.stage_index() + 1 << " '" << s.name << "': " << s.epochs << " epoch(s)";
   if (s.image_size) os << ", image size " << s.image_size;
+  if (s.seq_len) os << ", sequence length " << s.seq_len;
   if (!s.freeze.empty()) {
     os << ", frozen:";
     for (const auto& f : s.freeze) os << ' ' << f;
@@ -52,8 +53,10 @@ std::string ProgressCallback::line(Learner& l, bool final) const {
      << format_bytes(l.memory().current()) << " peak " << format_bytes(l.memory().peak());
   if (final) {
     os << std::setprecision(1) << ' ' << secs << " s";
-    if (l.valid_data() && l.valid_accuracy() >= 0)
-      os << std::setprecision(2) << " valid accuracy " << 100.0 * l.valid_accuracy() << '%';
+    if (l.valid_data() && l.valid_sums().count > 0) {
+      const TaskMetric m = l.valid_metric();
+      os << " valid " << (m.name == "accuracy" ? "accuracy " : "loss ") << m.text;
+    }
   }
   return os.str();
 }

@@ -126,17 +126,24 @@ std::string report_markdown(const nlohmann::json& r) {
   }
   if (fit.is_null()) return md.str();
 
-  md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | valid accuracy |\n";
+  const bool lm = fit.value("task", "") == "language_model";
+  md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | "
+     << (lm ? "valid loss (nats/token)" : "valid accuracy") << " |\n";
   md << "|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& s : fit["stages"]) {
+    std::string valid = "-";
+    if (lm && s.contains("valid_loss")) valid = num(s["valid_loss"].get<double>(), 4);
+    if (!lm && s.contains("valid_accuracy")) valid = pct(s["valid_accuracy"].get<double>());
     const auto& p = s["phase_peaks"];
     const auto& t = s["step_seconds"];
-    md << "| " << s["name"].get<std::string>() << " | " << format_bytes(get_i(s, "peak_bytes")) << " | "
+    std::string name = s["name"].get<std::string>();
+    if (s.contains("seq_len")) name += " (seq_len " + std::to_string(get_i(s, "seq_len")) + ")";
+    md << "| " << name << " | " << format_bytes(get_i(s, "peak_bytes")) << " | "
        << format_bytes(get_i(p, "forward")) << " | " << format_bytes(get_i(p, "backward")) << " | "
        << format_bytes(get_i(p, "step")) << " | " << num(1000 * t["median"].get<double>(), 1) << " ms ("
        << num(1000 * t["p10"].get<double>(), 1) << "-" << num(1000 * t["p90"].get<double>(), 1) << ") | "
        << num(s["samples_per_second"].get<double>(), 0) << " | " << num(s["loss"].get<double>(), 4) << " | "
-       << (s.contains("valid_accuracy") ? pct(s["valid_accuracy"].get<double>()) : "-") << " |\n";
+       << valid << " |\n";
   }
   md << "\nSteady state (a stage's third batch): what holds the memory\n\n";
   md << "| stage | parameters | gradients | optimizer state | activations | data | other |\n";
@@ -152,7 +159,10 @@ std::string report_markdown(const nlohmann::json& r) {
      << num(fit["samples_per_second"].get<double>(), 0) << " samples/s over "
      << num(fit["train_seconds"].get<double>(), 1) << " s of training; final loss "
      << num(fit["final_loss"].get<double>(), 4);
-  if (fit.contains("valid_accuracy")) md << "; validation accuracy " << pct(fit["valid_accuracy"].get<double>());
+  if (fit.contains("valid_metric"))
+    md << "; validation " << (lm ? "loss " : "accuracy ") << fit["valid_metric"].value("text", "");
+  else if (fit.contains("valid_accuracy"))
+    md << "; validation accuracy " << pct(fit["valid_accuracy"].get<double>());
   md << ".\n";
   if (fit.contains("oom")) {
     const auto& o = fit["oom"];

@@ -29,6 +29,12 @@ auto named(const Config& c, const std::string& key, F&& f) -> decltype(f()) {
 
 ModelInput model_input(const Config& c, const Dataset* data) {
   ModelInput in;
+  in.seed = static_cast<uint64_t>(c.run.seed);
+  if (data ? data->is_text() : c.data.dataset == "text") {
+    in.block_size = data ? data->block_size : c.data.block_size;
+    in.num_classes = data ? data->num_classes : 256;
+    return in;
+  }
   in.channels = data ? data->channels() : c.data.channels;
   const int64_t native = data ? data->height() : c.data.image_size;
   in.num_classes = data ? data->num_classes : c.data.classes;
@@ -67,7 +73,14 @@ void check_config(const Config& c) {
   named(c, "data.dataset", [&] { return datasets().get(c.data.dataset); });
   named(c, "loss.name", [&] { return losses().get(c.loss.name); });
   named(c, "model.arch", [&] { return models().get(c.model.arch); });
-  if (c.data.dataset == "synthetic") {
+  if (c.data.dataset == "text") {
+    try {
+      text_files(c.data.paths);
+    } catch (const DataError& e) {
+      throw ConfigError(c.source + ": data.paths: " + e.what());
+    }
+  }
+  if (c.data.dataset == "synthetic" || c.data.dataset == "text") {
     // Cheap to build the model for the configured shape: catches e.g. a vit patch that does
     // not divide the image size before any data is loaded.
     torch::NoGradGuard g;

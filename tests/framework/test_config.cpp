@@ -398,7 +398,10 @@ TEST(OptionsDescribe, ListsKeysWithTypesDefaultsAndLimits) {
   DataOptions data;
   const nlohmann::json fields = describe_options(data);
   ASSERT_TRUE(fields.is_array());
-  EXPECT_EQ(fields.size(), 11u);
+  EXPECT_EQ(fields.size(), 14u);  // 11 for images and 3 for text (paths, block_size, windows)
+  const auto* paths = find_key(fields, "paths");
+  ASSERT_NE(paths, nullptr);
+  EXPECT_EQ((*paths)["default"], nlohmann::json::array());
   const auto* batch = find_key(fields, "batch_size");
   ASSERT_NE(batch, nullptr);
   EXPECT_EQ((*batch)["type"], "int");

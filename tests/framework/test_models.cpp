@@ -183,7 +183,7 @@ TEST_F(Model, UnknownArchNamesNearest) {
   auto msg = config_error([] { make_model(arch("resnte"), input(1, 10, {28})); });
   EXPECT_NE(msg.find("unknown model 'resnte'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean 'resnet'?"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("cnn, mlp, resnet, vit"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cnn, gpt, mlp, resnet, vit"), std::string::npos) << msg;
 }
 
 TEST_F(Model, ResnetWidthAndDepthChangeParameterCount) {
@@ -201,11 +201,12 @@ TEST_F(Model, ResnetWidthAndDepthChangeParameterCount) {
 // ---- registries ----------------------------------------------------------------------------
 
 TEST_F(Model, RegistriesHoldTheBuiltins) {
-  EXPECT_EQ(models().names(), (std::vector<std::string>{"cnn", "mlp", "resnet", "vit"}));
+  EXPECT_EQ(models().names(), (std::vector<std::string>{"cnn", "gpt", "mlp", "resnet", "vit"}));
   EXPECT_EQ(models().get("cnn").owner, "frugal");
   EXPECT_TRUE(losses().contains("cross_entropy"));
   EXPECT_TRUE(datasets().contains("fashion-mnist"));
   EXPECT_TRUE(datasets().contains("synthetic"));
+  EXPECT_TRUE(datasets().contains("text"));
 }
 
 TEST_F(Model, PluginModelRegistersAndUnregisters) {

@@ -200,5 +200,34 @@ TEST(Plan, ABudgetTooSmallForAnythingSaysSo) {
       << r.output;
 }
 
+TEST(Ablate, ALanguageModelIsScoredByItsValidationLoss) {
+  TempDir dir;
+  std::string corpus;
+  for (int i = 0; corpus.size() < 6000; ++i) corpus += "line " + std::to_string(i % 37) + " of text\n";
+  write_text(dir.file("corpus.txt"), corpus);
+  write_text(dir.file("g.toml"),
+             "[run]\nthreads = 1\nprogress = \"none\"\n"
+             "[data]\ndataset = \"text\"\npaths = [\"" + dir.file("corpus.txt") + "\"]\n"
+             "block_size = 32\nwindows_per_epoch = 48\nbatch_size = 16\nvalid_batch_size = 4\n"
+             "valid_samples = 8\n"
+             "[model]\narch = \"gpt\"\nn_layer = 2\nn_head = 2\nn_embd = 16\n"
+             "[ablation]\nsteps = 4\nwarmup = 1\nleave_one_out = false\n"
+             "[plugins.checkpoint]\nenabled = false\nsegments = 2\n");
+  const std::string out = dir.file("abl");
+  auto r = run_cli("ablate " + dir.file("g.toml") + " --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const json res = json::parse(read_text(out + "/results.json"));
+  const json& base = run_named(res, "baseline");
+  const json& ck = run_named(res, "checkpoint");
+  ASSERT_TRUE(ck["ok"].get<bool>()) << ck.dump(2);
+  EXPECT_EQ(base["task"], "language_model");
+  EXPECT_LT(ck["peak_bytes"].get<int64_t>(), base["peak_bytes"].get<int64_t>());
+  // Checkpointing recomputes the same forward: the same loss after the same steps.
+  EXPECT_NEAR(ck["valid_loss"].get<double>(), base["valid_loss"].get<double>(), 1e-4);
+  EXPECT_NEAR(ck["valid_loss_change"].get<double>(),
+              ck["valid_loss"].get<double>() - base["valid_loss"].get<double>(), 1e-12);
+  EXPECT_NE(read_text(out + "/report.md").find("valid loss, nats/token (change)"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace frugal::test

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "frugal/plugin_host.h"
+#include "gpt_fixture.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {
@@ -55,7 +56,9 @@ TEST(PluginConformance, EveryBuiltPluginLoadsFitsAndUnloads) {
     const auto models_before = sorted_names(models());
     const auto datasets_before = sorted_names(datasets());
     const auto losses_before = sorted_names(losses());
-    {
+    // Every plugin on an image classifier and on a language model (gpt on text).
+    for (const bool gpt : {false, true}) {
+      SCOPED_TRACE(gpt ? "on a tiny gpt" : "on a tiny mlp");
       PluginHost host;
       toml::table plugins;
       const auto required = std::filesystem::path(FRUGAL_TEST_PLUGIN_SOURCE_DIR) / d.name /
@@ -76,7 +79,7 @@ TEST(PluginConformance, EveryBuiltPluginLoadsFitsAndUnloads) {
       ASSERT_FALSE(cbs.empty());
       EXPECT_EQ(host.loaded(), std::vector<std::string>{d.name});
 
-      auto learner = make_tiny_learner();
+      auto learner = gpt ? make_tiny_gpt_learner() : make_tiny_learner();
       for (auto& cb : cbs) learner->add_callback(cb);
       cbs.clear();
       ASSERT_NO_THROW(learner->fit({make_stage("one", 1), make_stage("two", 1)}));

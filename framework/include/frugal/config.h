@@ -39,8 +39,12 @@ struct RunOptions : Options {
 };
 
 struct DataOptions : Options {
-  std::string dataset = "fashion-mnist";  ///< fashion-mnist | synthetic | one a plugin registers
+  std::string dataset = "fashion-mnist";  ///< fashion-mnist | synthetic | text | one a plugin registers
   std::string path = "/usr/share/datasets/fashion-mnist";
+  // text data only
+  std::vector<std::string> paths;  ///< text files or folders (read recursively, sorted)
+  int64_t block_size = 128;        ///< tokens (bytes) per training window
+  int64_t windows_per_epoch = 0;   ///< random windows per epoch; 0 = train bytes / block_size
   int64_t batch_size = 128;
   int64_t valid_batch_size = 1000;
   int64_t train_samples = 0;  ///< use the first N training samples; 0 = all
@@ -61,6 +65,11 @@ struct ModelOptions : Options {
   double dropout = 0.0;
   int64_t patch = 7;         ///< vit: patch size in pixels
   int64_t heads = 4;         ///< vit: attention heads
+  // gpt only
+  int64_t n_layer = 4;       ///< transformer blocks
+  int64_t n_head = 4;        ///< attention heads; must divide n_embd
+  int64_t n_embd = 128;      ///< embedding size
+  int64_t block_size = 0;    ///< longest context (position table); 0 = data.block_size
   void visit(FieldVisitor& v) override;
   void check() const override;
 };
@@ -129,6 +138,7 @@ struct StageOptions : Options {
   int64_t epochs = 1;
   std::vector<std::string> freeze;  ///< module-name prefixes whose parameters do not train
   int64_t image_size = 0;           ///< 0 = the data's own size
+  int64_t seq_len = 0;              ///< text: tokens per training window; 0 = data.block_size
   OptimizerOptions optimizer;       ///< inherits [optimizer]; used when has_optimizer
   bool has_optimizer = false;       ///< the stage has its own [stages.optimizer] table
   void visit(FieldVisitor& v) override;

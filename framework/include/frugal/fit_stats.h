@@ -24,6 +24,7 @@ struct StageStats {
   double train_seconds = 0;
   double last_epoch_loss = 0;            ///< mean training loss of the stage's last epoch
   double valid_accuracy = -1;            ///< after the stage's last epoch; -1 = not validated
+  double valid_loss = -1;                ///< its mean cross-entropy per target element (nats)
 };
 
 /// Where a fit continues: the next batch to run. `epoch` may equal the stage's epochs (only

@@ -18,5 +18,6 @@
 #include "frugal/report.h"
 #include "frugal/run.h"
 #include "frugal/rng.h"
+#include "frugal/task.h"
 #include "frugal/trace.h"
 #include "frugal/version.h"

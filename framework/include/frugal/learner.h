@@ -19,6 +19,7 @@
 #include "frugal/micro_batch.h"
 #include "frugal/optimizers.h"
 #include "frugal/registry.h"
+#include "frugal/task.h"
 
 namespace frugal {
 
@@ -48,7 +49,8 @@ class Learner {
   void fit(const std::vector<Stage>& stages);
   /// One stage named "fit".
   void fit(int64_t epochs);
-  /// Accuracy over the validation data (fires before_validate / after_validate).
+  /// Scores the validation data (fires before_validate / after_validate): sets valid_sums()
+  /// and returns the accuracy (of samples, or of next tokens for a language model).
   double validate();
   /// Logits for a batch of normalized images, in eval mode without gradients.
   torch::Tensor predict(const torch::Tensor& x);
@@ -174,7 +176,14 @@ class Learner {
   int64_t data_bytes() const;
   /// Mean training loss of the batches since the epoch began (syncs the device).
   double epoch_loss() const;
-  double valid_accuracy() const { return valid_accuracy_; }
+  /// The last validation's accuracy; -1 before any.
+  double valid_accuracy() const { return valid_sums_.count ? valid_sums_.accuracy() : -1; }
+  /// The last validation's sums (count 0 before any) and the task's metric of them.
+  const MetricSums& valid_sums() const { return valid_sums_; }
+  TaskMetric valid_metric() const { return task_.metric(valid_sums_); }
+  /// What the model is trained to do; task_for(the training data) unless set.
+  const Task& task() const { return task_; }
+  void set_task(const Task& t) { task_ = t; }
   /// Every measurement of the fit as JSON (the run report's "fit" object).
   nlohmann::json report() const;
 
@@ -289,7 +298,8 @@ class Learner {
   int64_t iteration_ = 0, steps_ = 0;
   bool training_ = false;
   Event event_ = Event::BeforeFit;
-  double valid_accuracy_ = -1;
+  MetricSums valid_sums_;
+  Task task_;
   FitStats stats_;
   MemoryWindow stage_window_, phase_window_;  // open while a fit (or validate) runs
   int64_t max_steps_ = 0;

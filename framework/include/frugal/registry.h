@@ -23,6 +23,11 @@ struct ModelInput {
   int64_t num_classes = 10;
   /// Every image size the stages use (a model with a fixed input size rejects several).
   std::vector<int64_t> image_sizes;
+  /// Text: tokens per window (the longest sequence the model sees); 0 = the data are images.
+  /// num_classes is then the vocabulary (256 bytes).
+  int64_t block_size = 0;
+  /// run.seed, for a model that draws its initial weights from its own generator (gpt).
+  uint64_t seed = 0;
 };
 
 /// Every model is a Sequential of named blocks, so checkpointing can split it and freeze

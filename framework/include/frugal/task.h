@@ -1,0 +1,63 @@
+#pragma once
+/// What a model is trained to do and how its validation is scored. A batch is (x, y) of any
+/// shape: a prediction has one row of logits per target element (classification: [B, C] for
+/// [B] labels; language modelling: [B, T, V] for [B, T] next tokens). Validation sums, per
+/// target element, the cross-entropy and the argmax hits; the task turns the sums into its
+/// metric: accuracy for classification, loss in nats per token (and perplexity) for language
+/// modelling.
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+namespace frugal {
+
+struct Dataset;
+
+/// Validation's running sums (as tensors on the device while it runs; synced once).
+struct MetricSums {
+  double loss_sum = 0;  ///< cross-entropy summed over target elements (nats)
+  int64_t count = 0;    ///< target elements: samples or tokens
+  int64_t correct = 0;  ///< target elements whose argmax prediction is right
+  double mean_loss() const { return count ? loss_sum / static_cast<double>(count) : 0.0; }
+  double accuracy() const { return count ? static_cast<double>(correct) / static_cast<double>(count) : 0.0; }
+};
+
+/// A task's headline number.
+struct TaskMetric {
+  std::string name;               ///< "accuracy" | "valid_loss"
+  double value = 0;
+  bool higher_is_better = true;
+  std::string unit;               ///< "" (a fraction) | "nats/token"
+  std::string text;               ///< "89.95%" | "1.234 nats/token (perplexity 3.43)"
+};
+
+enum class TaskKind { Classification, LanguageModel };
+
+struct Task {
+  TaskKind kind = TaskKind::Classification;
+
+  /// "classification" | "language_model"
+  std::string name() const;
+  /// What count counts: "sample" | "token".
+  std::string element() const;
+  /// The headline metric of validation sums.
+  TaskMetric metric(const MetricSums& s) const;
+  /// {"task", "valid_loss", "valid_accuracy", "valid_metric": {name, value, higher_is_better,
+  /// unit, text}} (+ "perplexity" for a language model) for the report.
+  nlohmann::json to_json(const MetricSums& s) const;
+};
+
+/// The task a dataset asks for: language modelling for text, else classification.
+Task task_for(const Dataset& d);
+
+/// Adds one batch's sums (on the device, no sync): cross-entropy (in float) summed over the
+/// target elements, the argmax hits and the element count.
+void add_batch_sums(const torch::Tensor& pred, const torch::Tensor& target, torch::Tensor& loss_sum,
+                    torch::Tensor& correct, int64_t& count);
+
+/// A metric read back from a report's "valid_metric" object (ablate, plan).
+TaskMetric metric_from_json(const nlohmann::json& j);
+
+}  // namespace frugal
