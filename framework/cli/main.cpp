@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "ablation.h"
+#include "infer.h"
 #include "train.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
@@ -165,8 +166,11 @@ struct Args {
   std::vector<std::string> plugin_paths;
   frugal::cli::AblateArgs ablate;
   frugal::cli::PlanArgs plan;
+  frugal::cli::GenerateArgs generate;
+  frugal::cli::EvaluateArgs evaluate;
   CLI::App *train_cmd = nullptr, *check_cmd = nullptr, *plugins_cmd = nullptr,
-           *keys_cmd = nullptr, *ablate_cmd = nullptr, *plan_cmd = nullptr;
+           *keys_cmd = nullptr, *ablate_cmd = nullptr, *plan_cmd = nullptr,
+           *generate_cmd = nullptr, *evaluate_cmd = nullptr;
 };
 
 void add_commands(CLI::App& app, Args& a) {
@@ -185,6 +189,8 @@ void add_commands(CLI::App& app, Args& a) {
   a.keys_cmd->add_flag("--json", a.keys_json, "print JSON instead");
   a.ablate_cmd = frugal::cli::add_ablate_command(app, a.ablate);
   a.plan_cmd = frugal::cli::add_plan_command(app, a.plan);
+  a.generate_cmd = frugal::cli::add_generate_command(app, a.generate);
+  a.evaluate_cmd = frugal::cli::add_evaluate_command(app, a.evaluate);
 }
 
 std::shared_ptr<spdlog::logger> make_log(const std::string& level) {
@@ -204,6 +210,8 @@ int dispatch(const Args& a, const std::shared_ptr<spdlog::logger>& log, const ch
     if (*a.plugins_cmd) return run_plugins(a.plugin_paths, a.plugins_json);
     if (*a.ablate_cmd) return frugal::cli::run_ablate(a.ablate, *log, argv0);
     if (*a.plan_cmd) return frugal::cli::run_plan(a.plan, *log, argv0);
+    if (*a.generate_cmd) return frugal::cli::run_generate(a.generate);
+    if (*a.evaluate_cmd) return frugal::cli::run_evaluate(a.evaluate);
   } catch (const frugal::ConfigError& e) {
     log->error("{}", e.what());
     return 2;

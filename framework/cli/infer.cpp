@@ -1,0 +1,95 @@
+// `frugal generate` and `frugal evaluate`: fastai's load_learner + predict for a run folder.
+#include "infer.h"
+
+#include <iostream>
+
+#include "frugal/data.h"
+#include "frugal/error.h"
+#include "frugal/generate.h"
+#include "frugal/model_export.h"
+#include "frugal/registry.h"
+#include "frugal/run.h"
+#include "frugal/task.h"
+
+namespace frugal::cli {
+
+CLI::App* add_generate_command(CLI::App& app, GenerateArgs& a) {
+  auto* cmd = app.add_subcommand("generate", "sample text from a trained language model's run folder");
+  cmd->add_option("run_dir", a.run_dir, "the run's folder (its config.toml and model.pt)")->required();
+  cmd->add_option("--prompt", a.prompt, "text the sample continues (default: a new line)");
+  cmd->add_option("--tokens", a.tokens, "bytes to generate")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--temperature", a.temperature, "divides the logits; 0 = always the likeliest byte")
+      ->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--top-k", a.top_k, "sample among the k likeliest bytes; 0 = all")
+      ->check(CLI::Range(int64_t{0}, int64_t{256}));
+  cmd->add_option("--seed", a.seed, "the sampler's seed: the same seed, the same text");
+  return cmd;
+}
+
+CLI::App* add_evaluate_command(CLI::App& app, EvaluateArgs& a) {
+  auto* cmd = app.add_subcommand("evaluate", "score a trained run's model on its validation split");
+  cmd->add_option("run_dir", a.run_dir, "the run's folder (its config.toml and model.pt)")->required();
+  cmd->add_option("--samples", a.samples, "the first N samples (text: windows); 0 = the config's valid_samples")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--batch-size", a.batch_size, "batch size; 0 = the config's data.valid_batch_size")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--json", a.json, "print the result as JSON");
+  return cmd;
+}
+
+int run_generate(const GenerateArgs& a) {
+  RunModel run = load_run_model(a.run_dir);
+  const Config& c = run.loaded.config;
+  if (c.data.dataset != "text")
+    throw ConfigError("frugal generate: '" + a.run_dir + "' holds a '" + c.model.arch +
+                      "' model trained on '" + c.data.dataset + "'; generate samples text from a "
+                      "language model (a run with data.dataset = \"text\"). Score it with "
+                      "`frugal evaluate " + a.run_dir + "`");
+  SampleOptions o;
+  o.tokens = a.tokens;
+  o.temperature = a.temperature;
+  o.top_k = a.top_k;
+  o.seed = a.seed;
+  o.block_size = c.model.block_size > 0 ? c.model.block_size : c.data.block_size;
+  const std::string text = generate_text(run.model, a.prompt, o);
+  std::cout << a.prompt << text << std::endl;
+  return 0;
+}
+
+int run_evaluate(const EvaluateArgs& a) {
+  RunModel run = load_run_model(a.run_dir);
+  DataOptions d = run.loaded.config.data;
+  if (a.samples > 0) d.valid_samples = a.samples;
+  if (d.valid_samples < 0) d.valid_samples = 0;  // the run trained without validation: all
+  const Dataset data = make_dataset(d, false);
+  const Task task = task_for(data);
+  DataLoader loader(data, a.batch_size > 0 ? a.batch_size : d.valid_batch_size, false, 0);
+  auto correct = torch::zeros({}, torch::kLong);
+  auto loss_sum = torch::zeros({}, torch::kDouble);
+  int64_t count = 0;
+  {
+    torch::NoGradGuard g;
+    for (int64_t i = 0; i < loader.num_batches(); ++i) {
+      const Batch b = loader.batch(i);
+      add_batch_sums(run.model->forward(b.x), b.y, loss_sum, correct, count);
+    }
+  }
+  const MetricSums sums{loss_sum.item<double>(), count, correct.item<int64_t>()};
+  nlohmann::json j = task.to_json(sums);
+  j["run_dir"] = a.run_dir;
+  j["model"] = run.loaded.config.model.arch;
+  j["dataset"] = d.dataset;
+  j["samples"] = data.size();
+  if (a.json) {
+    std::cout << j.dump(2) << std::endl;
+    return 0;
+  }
+  std::cout << a.run_dir << ": " << j["model"].get<std::string>() << " on " << d.dataset << ", "
+            << data.size() << " validation sample(s), " << count << " " << task.element() << "s\n"
+            << "  " << task.metric(sums).name << ": " << task.metric(sums).text << "\n"
+            << "  valid_loss: " << sums.mean_loss() << " nats/" << task.element() << "\n"
+            << "  valid_accuracy: " << 100.0 * sums.accuracy() << "%" << std::endl;
+  return 0;
+}
+
+}  // namespace frugal::cli

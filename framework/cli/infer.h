@@ -1,0 +1,35 @@
+#pragma once
+// `frugal generate` and `frugal evaluate`: a trained run's model, loaded from its folder
+// (config.toml and model.pt, no optimizer state), sampled or scored. CLI-internal.
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace frugal::cli {
+
+struct GenerateArgs {
+  std::string run_dir;
+  std::string prompt;
+  int64_t tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 0;
+};
+
+struct EvaluateArgs {
+  std::string run_dir;
+  int64_t samples = 0;     ///< the first N samples (windows) of the split; 0 = the config's
+  int64_t batch_size = 0;  ///< 0 = the config's data.valid_batch_size
+  bool json = false;
+};
+
+CLI::App* add_generate_command(CLI::App& app, GenerateArgs& a);
+CLI::App* add_evaluate_command(CLI::App& app, EvaluateArgs& a);
+/// Prints the prompt and its continuation; exit code 0. Throws for a folder that holds no
+/// trained language model.
+int run_generate(const GenerateArgs& a);
+/// Prints the task's metric on the validation split (Fashion-MNIST: its test set); exit 0.
+int run_evaluate(const EvaluateArgs& a);
+
+}  // namespace frugal::cli
