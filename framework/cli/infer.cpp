@@ -86,9 +86,12 @@ int run_evaluate(const EvaluateArgs& a) {
   }
   std::cout << a.run_dir << ": " << j["model"].get<std::string>() << " on " << d.dataset << ", "
             << data.size() << " validation sample(s), " << count << " " << task.element() << "s\n"
-            << "  " << task.metric(sums).name << ": " << task.metric(sums).text << "\n"
-            << "  valid_loss: " << sums.mean_loss() << " nats/" << task.element() << "\n"
-            << "  valid_accuracy: " << 100.0 * sums.accuracy() << "%" << std::endl;
+            << "  " << task.metric(sums).name << ": " << task.metric(sums).text << "\n";
+  if (task.kind == TaskKind::Classification)
+    std::cout << "  valid_loss: " << sums.mean_loss() << " nats/sample\n";
+  else
+    std::cout << "  next-byte accuracy: " << 100.0 * sums.accuracy() << "%\n";
+  std::cout << std::flush;
   return 0;
 }
 

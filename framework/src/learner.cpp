@@ -18,6 +18,7 @@ int64_t dataset_bytes(const Dataset& d) {
   int64_t n = 0;
   if (d.images.defined()) n += static_cast<int64_t>(d.images.nbytes());
   if (d.labels.defined()) n += static_cast<int64_t>(d.labels.nbytes());
+  if (d.tokens.defined()) n += static_cast<int64_t>(d.tokens.nbytes());
   return n;
 }
 

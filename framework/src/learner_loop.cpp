@@ -146,7 +146,7 @@ size_t Learner::start_fit(const std::vector<Stage>& stages) {
   stats_.start();
   iteration_ = steps_ = 0;
   const size_t first_stage = resume_ ? prepare_resume() : 0;
-  stop_fit_ = stop_epoch_ = false;
+  stop_fit_ = stop_epoch_ = capped_ = false;
   next_ = FitPosition{static_cast<int64_t>(first_stage), 0, 0, global_epoch_, iteration_, steps_};
   model_->train();
   micro_.start_fit();
@@ -223,7 +223,9 @@ void Learner::run_epoch() {
   fire(Event::AfterTrain);
   training_ = false;
 
-  if (valid_ && !stop_fit_) {
+  // A fit the step cap ends on an epoch's last batch has trained that whole epoch: validated.
+  const bool whole_epoch = capped_ && batch_index_ + 1 == num_batches_;
+  if (valid_ && (!stop_fit_ || whole_epoch)) {
     stats_.stage().valid_accuracy = validate();
     stats_.stage().valid_loss = valid_sums_.mean_loss();
   }
@@ -240,7 +242,7 @@ void Learner::run_batches(int64_t first) {
       throw oom_loading(i, train_.batch_size(), iteration_, *oom);
     train_batch(b);
     ++iteration_;
-    if (max_steps_ > 0 && iteration_ >= max_steps_) stop_fit_ = true;
+    if (max_steps_ > 0 && iteration_ >= max_steps_ && !stop_fit_) stop_fit_ = capped_ = true;
     if (stop_epoch_ || stop_fit_) break;
   }
 }
@@ -323,6 +325,9 @@ bool Learner::forward_backward(BatchMemory& mem, OomError::Phase& phase) {
   fire(Event::AfterForward);
   loss_ = loss_fn_(pred_, y_);
   fire(Event::AfterLoss);
+  // The loss's graph holds what backward needs; the prediction itself (a language model's
+  // logits: batch x tokens x vocabulary) is free during backward unless a callback keeps it.
+  if (!keep_pred_) pred_ = torch::Tensor();
   const int64_t forward_peak = phase_window_.peak();
   note_phase_peak(Phase::Forward, forward_peak);
   mem.forward_peak = std::max(mem.forward_peak, forward_peak - live + mem.live_before_forward);

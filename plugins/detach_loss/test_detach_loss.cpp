@@ -210,6 +210,7 @@ TEST(DetachLossWatch, WarnsInAFitWithTheBytesPerBatchAndTheHolder) {
 TEST(DetachLossPlugin, LaterCallbacksSeeDetachedTensorsAndTrainingIsUnchanged) {
   struct Probe : Callback {
     std::string name() const override { return "probe"; }
+    void before_fit(Learner& l) override { l.keep_pred(); }  // the loop drops it otherwise
     void after_backward(Learner& l) override {
       grad_after_backward += l.loss().requires_grad() + l.pred().requires_grad();
     }

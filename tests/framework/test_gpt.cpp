@@ -145,3 +145,22 @@ TEST(GptResume, MidEpochCheckpointContinuesTheSameRunBitwise) {
 
 }  // namespace
 }  // namespace frugal::test
+
+namespace frugal::test {
+namespace {
+
+TEST(MaxSteps, ACapOnAnEpochsLastBatchValidatesThatEpochAndOneMidEpochDoesNot) {
+  auto at_end = make_tiny_learner();  // 64 samples in batches of 16: 4 per epoch
+  at_end->set_max_batches(4);
+  at_end->fit(3);
+  EXPECT_EQ(at_end->iteration(), 4);
+  EXPECT_GE(at_end->valid_accuracy(), 0.0) << "the whole epoch trained: it is validated";
+  auto mid = make_tiny_learner();
+  mid->set_max_batches(3);
+  mid->fit(3);
+  EXPECT_EQ(mid->iteration(), 3);
+  EXPECT_LT(mid->valid_accuracy(), 0.0) << "a cut epoch is not validated";
+}
+
+}  // namespace
+}  // namespace frugal::test

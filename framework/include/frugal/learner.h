@@ -77,10 +77,16 @@ class Learner {
   const torch::Device& device() const { return device_; }
 
   /// The current batch (before_batch may replace it), prediction and loss. During the
-  /// forward and backward events of a split batch, x() and y() are the micro-batch.
+  /// forward and backward events of a split batch, x() and y() are the micro-batch. pred() is
+  /// set from after_forward to after_loss; then the loop drops it, so its memory is free in
+  /// backward (as `loss = cross_entropy(model(x), y)` in PyTorch), unless keep_pred() was
+  /// called.
   torch::Tensor& x() { return x_; }
   torch::Tensor& y() { return y_; }
   torch::Tensor& pred() { return pred_; }
+  /// Keeps pred() until the next forward, for a callback that reads it after after_loss
+  /// (call it in before_fit); it costs the prediction's memory during backward.
+  void keep_pred(bool keep = true) { keep_pred_ = keep; }
   /// The unscaled loss, as logged. Backward uses loss() * loss_scale().
   torch::Tensor& loss() { return loss_; }
   /// Multiplies the factor backward applies to the loss; reset to 1 before each forward.
@@ -294,6 +300,8 @@ class Learner {
   int64_t micro_index_ = 0, micro_count_ = 1;
   double micro_weight_ = 1.0, batch_weight_ = 1.0;
   bool skip_step_ = false, skip_batch_ = false, stop_epoch_ = false, stop_fit_ = false;
+  bool capped_ = false;
+  bool keep_pred_ = false;  // stop_fit_ was set by set_max_batches' cap, not by a callback
   int64_t stage_index_ = 0, epoch_ = 0, batch_index_ = 0, num_batches_ = 0;
   int64_t iteration_ = 0, steps_ = 0;
   bool training_ = false;
@@ -311,7 +319,8 @@ class Learner {
   MicroBatching micro_;
 
  public:
-  /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests.
+  /// Stop the fit after this many training batches (0 = no limit): ablations, smoke tests. A
+  /// cap that falls on an epoch's last batch still validates that epoch.
   void set_max_batches(int64_t n) { max_steps_ = n; }
   /// The first n training batches of each stage are left out of the report's step times
   /// (they allocate caches); default 2. A stage with no more batches than that keeps them all.
