@@ -108,6 +108,28 @@ std::string num(double v, int precision) {
   return os.str();
 }
 int64_t get_i(const nlohmann::json& j, const char* k) { return j.contains(k) ? j[k].get<int64_t>() : 0; }
+
+/// One row per stage: its peaks, step times, loss and the task's validation metric.
+void stage_table(std::ostream& md, const nlohmann::json& fit, bool lm) {
+  md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | "
+     << (lm ? "valid loss (nats/token)" : "valid accuracy") << " |\n";
+  md << "|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& s : fit["stages"]) {
+    std::string valid = "-";
+    if (lm && s.contains("valid_loss")) valid = num(s["valid_loss"].get<double>(), 4);
+    if (!lm && s.contains("valid_accuracy")) valid = pct(s["valid_accuracy"].get<double>());
+    const auto& p = s["phase_peaks"];
+    const auto& t = s["step_seconds"];
+    std::string name = s["name"].get<std::string>();
+    if (s.contains("seq_len")) name += " (seq_len " + std::to_string(get_i(s, "seq_len")) + ")";
+    md << "| " << name << " | " << format_bytes(get_i(s, "peak_bytes")) << " | "
+       << format_bytes(get_i(p, "forward")) << " | " << format_bytes(get_i(p, "backward")) << " | "
+       << format_bytes(get_i(p, "step")) << " | " << num(1000 * t["median"].get<double>(), 1) << " ms ("
+       << num(1000 * t["p10"].get<double>(), 1) << "-" << num(1000 * t["p90"].get<double>(), 1) << ") | "
+       << num(s["samples_per_second"].get<double>(), 0) << " | " << num(s["loss"].get<double>(), 4) << " | "
+       << valid << " |\n";
+  }
+}
 }  // namespace
 
 std::string report_markdown(const nlohmann::json& r) {
@@ -127,24 +149,7 @@ std::string report_markdown(const nlohmann::json& r) {
   if (fit.is_null()) return md.str();
 
   const bool lm = fit.value("task", "") == "language_model";
-  md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | "
-     << (lm ? "valid loss (nats/token)" : "valid accuracy") << " |\n";
-  md << "|---|---|---|---|---|---|---|---|---|\n";
-  for (const auto& s : fit["stages"]) {
-    std::string valid = "-";
-    if (lm && s.contains("valid_loss")) valid = num(s["valid_loss"].get<double>(), 4);
-    if (!lm && s.contains("valid_accuracy")) valid = pct(s["valid_accuracy"].get<double>());
-    const auto& p = s["phase_peaks"];
-    const auto& t = s["step_seconds"];
-    std::string name = s["name"].get<std::string>();
-    if (s.contains("seq_len")) name += " (seq_len " + std::to_string(get_i(s, "seq_len")) + ")";
-    md << "| " << name << " | " << format_bytes(get_i(s, "peak_bytes")) << " | "
-       << format_bytes(get_i(p, "forward")) << " | " << format_bytes(get_i(p, "backward")) << " | "
-       << format_bytes(get_i(p, "step")) << " | " << num(1000 * t["median"].get<double>(), 1) << " ms ("
-       << num(1000 * t["p10"].get<double>(), 1) << "-" << num(1000 * t["p90"].get<double>(), 1) << ") | "
-       << num(s["samples_per_second"].get<double>(), 0) << " | " << num(s["loss"].get<double>(), 4) << " | "
-       << valid << " |\n";
-  }
+  stage_table(md, fit, lm);
   md << "\nSteady state (a stage's third batch): what holds the memory\n\n";
   md << "| stage | parameters | gradients | optimizer state | activations | data | other |\n";
   md << "|---|---|---|---|---|---|---|\n";
