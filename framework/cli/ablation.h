@@ -91,4 +91,14 @@ struct PlanArgs {
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& a);
 int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0);
 
+/// ablate's plots (ablate_plots.cpp). A run's live bytes against its fractional step, from its
+/// Chrome trace: (step, MiB) pairs.
+std::vector<std::pair<double, double>> timeline(const std::string& trace_path);
+/// peak_memory.gp, tradeoff.gp and live_memory.gp in `dir` (`live_plot`: the live curves).
+void write_scripts(const std::string& dir, const std::string& live_plot);
+/// Runs gnuplot on the three scripts; false when it is absent or one fails.
+bool draw_plots(const std::string& dir, spdlog::logger& log);
+/// The command that reproduces an ablation, for its report.
+std::string command_line(const AblateArgs& a, int64_t steps, int64_t repeats);
+
 }  // namespace frugal::cli
