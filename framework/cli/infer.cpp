@@ -50,7 +50,10 @@ int run_generate(const GenerateArgs& a) {
   o.temperature = a.temperature;
   o.top_k = a.top_k;
   o.seed = a.seed;
-  o.block_size = c.model.block_size > 0 ? c.model.block_size : c.data.block_size;
+  // The longest context is the model's position table (gpt's embed.wpe), whatever set its size.
+  const auto params = run.model->named_parameters();
+  const torch::Tensor* wpe = params.find("embed.wpe.weight");
+  o.block_size = wpe ? wpe->size(0) : c.data.block_size;
   const std::string text = generate_text(run.model, a.prompt, o);
   std::cout << a.prompt << text << std::endl;
   return 0;
@@ -63,18 +66,9 @@ int run_evaluate(const EvaluateArgs& a) {
   if (d.valid_samples < 0) d.valid_samples = 0;  // the run trained without validation: all
   const Dataset data = make_dataset(d, false);
   const Task task = task_for(data);
-  DataLoader loader(data, a.batch_size > 0 ? a.batch_size : d.valid_batch_size, false, 0);
-  auto correct = torch::zeros({}, torch::kLong);
-  auto loss_sum = torch::zeros({}, torch::kDouble);
-  int64_t count = 0;
-  {
-    torch::NoGradGuard g;
-    for (int64_t i = 0; i < loader.num_batches(); ++i) {
-      const Batch b = loader.batch(i);
-      add_batch_sums(run.model->forward(b.x), b.y, loss_sum, correct, count);
-    }
-  }
-  const MetricSums sums{loss_sum.item<double>(), count, correct.item<int64_t>()};
+  const DataLoader loader(data, a.batch_size > 0 ? a.batch_size : d.valid_batch_size, false, 0);
+  const MetricSums sums =
+      score(loader, [&](const torch::Tensor& x) { return run.model->forward(x); }, torch::kCPU);
   nlohmann::json j = task.to_json(sums);
   j["run_dir"] = a.run_dir;
   j["model"] = run.loaded.config.model.arch;
@@ -85,8 +79,9 @@ int run_evaluate(const EvaluateArgs& a) {
     return 0;
   }
   std::cout << a.run_dir << ": " << j["model"].get<std::string>() << " on " << d.dataset << ", "
-            << data.size() << " validation sample(s), " << count << " " << task.element() << "s\n"
-            << "  " << task.metric(sums).name << ": " << task.metric(sums).text << "\n";
+            << data.size() << " validation sample(s), " << sums.count << " " << task.element() << "s\n"
+            << "  " << j["valid_metric"]["name"].get<std::string>() << ": "
+            << j["valid_metric"]["text"].get<std::string>() << "\n";
   if (task.kind == TaskKind::Classification)
     std::cout << "  valid_loss: " << sums.mean_loss() << " nats/sample\n";
   else

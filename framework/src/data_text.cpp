@@ -118,14 +118,15 @@ Batch DataLoader::text_batch(int64_t start, int64_t count) const {
   const int64_t t = seq_len_ > 0 ? std::min(seq_len_, data_.block_size) : data_.block_size;
   auto x = torch::empty({count, t}, torch::kUInt8), y = torch::empty({count, t}, torch::kUInt8);
   const uint8_t* src = data_.tokens.data_ptr<uint8_t>();
+  uint8_t *xs = x.data_ptr<uint8_t>(), *ys = y.data_ptr<uint8_t>();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t s = order_[static_cast<size_t>(start + i)];
-    std::copy_n(src + s, t, x.data_ptr<uint8_t>() + i * t);
-    std::copy_n(src + s + 1, t, y.data_ptr<uint8_t>() + i * t);
+    std::copy_n(src + s, t, xs + i * t);
+    std::copy_n(src + s + 1, t, ys + i * t);
   }
   Batch b;
-  b.x = x.to(device_).to(torch::kLong);
-  b.y = y.to(device_).to(torch::kLong);
+  b.x = x.to(device_, torch::kLong);  // one copy: to the device and to int64 together
+  b.y = y.to(device_, torch::kLong);
   return b;
 }
 

@@ -200,7 +200,8 @@ void Learner::restore_loop_state(PendingResume& r) {
                   : torch::zeros({}, torch::TensorOptions().device(device_));
   loss_count_ = training_ ? r.record.loss_count : 0;
   stop_epoch_ = p.stop_epoch;
-  stop_fit_ = p.stop_fit || p.done || (max_steps_ > 0 && iteration_ >= max_steps_);
+  capped_ = !p.stop_fit && !p.done && max_steps_ > 0 && iteration_ >= max_steps_;
+  stop_fit_ = p.stop_fit || p.done || capped_;
   if (auto rng = archive::read_rng(r.archive, device_)) rng->restore();
 }
 

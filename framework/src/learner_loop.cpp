@@ -224,7 +224,7 @@ void Learner::run_epoch() {
   training_ = false;
 
   // A fit the step cap ends on an epoch's last batch has trained that whole epoch: validated.
-  const bool whole_epoch = capped_ && batch_index_ + 1 == num_batches_;
+  const bool whole_epoch = capped_ && next_.batch >= num_batches_;
   if (valid_ && (!stop_fit_ || whole_epoch)) {
     stats_.stage().valid_accuracy = validate();
     stats_.stage().valid_loss = valid_sums_.mean_loss();
@@ -402,17 +402,7 @@ double Learner::validate() {
   model_->eval();
   phase_window_.reset();
   fire(Event::BeforeValidate);
-  auto correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device_));
-  auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
-  int64_t count = 0;
-  {
-    torch::NoGradGuard no_grad;
-    for (int64_t i = 0; i < valid_->num_batches(); ++i) {
-      Batch b = valid_->batch(i);
-      add_batch_sums(forward(b.x), b.y, loss_sum, correct, count);
-    }
-  }
-  valid_sums_ = MetricSums{loss_sum.item<double>(), count, correct.item<int64_t>()};
+  valid_sums_ = score(*valid_, [this](const torch::Tensor& x) { return forward(x); }, device_);
   fire(Event::AfterValidate);
   note_phase_peak(Phase::Validate, phase_window_.peak());
   if (was_training) model_->train();

@@ -54,15 +54,24 @@ Task task_for(const Dataset& d) {
   return t;
 }
 
-void add_batch_sums(const torch::Tensor& pred, const torch::Tensor& target, torch::Tensor& loss_sum,
-                    torch::Tensor& correct, int64_t& count) {
+MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+                 torch::Device device) {
   namespace F = torch::nn::functional;
-  auto logits = pred.reshape({-1, pred.size(-1)});
-  auto y = target.reshape({-1});
-  loss_sum += F::cross_entropy(logits.to(torch::kFloat), y,
-                               F::CrossEntropyFuncOptions().reduction(torch::kSum));
-  correct += logits.argmax(1).eq(y).sum();
-  count += y.numel();
+  torch::NoGradGuard no_grad;
+  auto correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device));
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+  int64_t count = 0;
+  for (int64_t i = 0; i < data.num_batches(); ++i) {
+    const Batch b = data.batch(i);
+    const torch::Tensor pred = forward(b.x);
+    auto logits = pred.reshape({-1, pred.size(-1)});
+    auto y = b.y.reshape({-1});
+    loss_sum += F::cross_entropy(logits.to(torch::kFloat), y,
+                                 F::CrossEntropyFuncOptions().reduction(torch::kSum));
+    correct += logits.argmax(1).eq(y).sum();
+    count += y.numel();
+  }
+  return MetricSums{loss_sum.item<double>(), count, correct.item<int64_t>()};
 }
 
 TaskMetric metric_from_json(const nlohmann::json& j) {

@@ -6,14 +6,15 @@
 /// metric: accuracy for classification, loss in nats per token (and perplexity) for language
 /// modelling.
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-namespace frugal {
+#include "frugal/data.h"
 
-struct Dataset;
+namespace frugal {
 
 /// Validation's running sums (as tensors on the device while it runs; synced once).
 struct MetricSums {
@@ -52,10 +53,12 @@ struct Task {
 /// The task a dataset asks for: language modelling for text, else classification.
 Task task_for(const Dataset& d);
 
-/// Adds one batch's sums (on the device, no sync): cross-entropy (in float) summed over the
-/// target elements, the argmax hits and the element count.
-void add_batch_sums(const torch::Tensor& pred, const torch::Tensor& target, torch::Tensor& loss_sum,
-                    torch::Tensor& correct, int64_t& count);
+/// Scores every batch of `data` with `forward`, without gradients: cross-entropy (in float)
+/// summed over the target elements, the argmax hits and the element count, summed on `device`
+/// and synced once. What validation (Learner::validate, through the forward chain) and
+/// `frugal evaluate` (the bare model) report.
+MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+                 torch::Device device);
 
 /// A metric read back from a report's "valid_metric" object (ablate, plan).
 TaskMetric metric_from_json(const nlohmann::json& j);
