@@ -31,7 +31,7 @@ bool contains(const std::vector<std::string>& v, const std::string& s) {
   return std::find(v.begin(), v.end(), s) != v.end();
 }
 
-std::string joined(const std::vector<std::string>& v) {
+std::string joined_keys(const std::vector<std::string>& v) {
   std::string out;
   for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
   return out.empty() ? "none" : out;
@@ -98,8 +98,8 @@ TechniqueSet resolve_techniques(const Config& cfg) {
     const std::string near = nearest(name, installed);
     throw_config_error(where + " names plugin '" + name + "', which is not installed" +
                        (near.empty() ? "" : "; did you mean '" + near + "'?") +
-                       " Installed plugins: " + joined(installed) +
-                       " (searched: " + joined(host.search_path()) + ")");
+                       " Installed plugins: " + joined_keys(installed) +
+                       " (searched: " + joined_keys(host.search_path()) + ")");
   }
   return t;
 }

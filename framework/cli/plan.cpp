@@ -48,7 +48,7 @@ struct Candidate {
 
 std::string name_of(const std::vector<std::string>& on) { return on.empty() ? "baseline" : join_on(on); }
 
-std::string fixed(double v, int p) {
+std::string fixed_digits(double v, int p) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(p) << v;
   return os.str();
@@ -263,13 +263,13 @@ json combinations(const std::vector<Candidate>& all, const Candidate* best, std:
               {"predicted_step_seconds", c.step}, {"fits", c.fits}};
     md << "| " << (best == &c ? "**" + name_of(c.on) + "**" : name_of(c.on)) << " | "
        << format_bytes(static_cast<int64_t>(c.peak)) << " | " << (c.fits ? "yes" : "no") << " | "
-       << fixed(1000 * c.step, 1) << " ms | ";
+       << fixed_digits(1000 * c.step, 1) << " ms | ";
     if (c.measured) {
       const double err = 100.0 * (c.peak - static_cast<double>(c.measured_peak)) / c.measured_peak;
       j["measured_peak_bytes"] = c.measured_peak;
       j["measured_step_seconds"] = c.measured_step;
       j["error_percent"] = err;
-      md << format_bytes(c.measured_peak) << " | " << (err >= 0 ? "+" : "") << fixed(err, 1) << "% |\n";
+      md << format_bytes(c.measured_peak) << " | " << (err >= 0 ? "+" : "") << fixed_digits(err, 1) << "% |\n";
     } else {
       md << "- | - |\n";
     }
@@ -307,7 +307,7 @@ void proposal(const PlanInputs& in, const Candidate& best, std::ostream& md, jso
     p["measured_peak_bytes"] = best.measured_peak;
     p["error_percent"] = err;
     md << " Measured: " << format_bytes(best.measured_peak) << " (prediction "
-       << (err >= 0 ? "+" : "") << fixed(err, 1) << "%)"
+       << (err >= 0 ? "+" : "") << fixed_digits(err, 1) << "%)"
        << (best.measured_peak > in.budget ? "; **over the budget**" : "") << ".";
     if (best.measured_peak > in.budget)
       log.warn("the proposal measured {} > budget {}", format_bytes(best.measured_peak),

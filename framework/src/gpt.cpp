@@ -11,7 +11,7 @@ namespace {
 namespace nn = torch::nn;
 namespace F = torch::nn::functional;
 
-std::string str(int64_t v) { return std::to_string(v); }
+std::string gpt_str(int64_t v) { return std::to_string(v); }
 
 torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
   return p > 0 ? F::dropout(x, F::DropoutFuncOptions().p(p).training(training)) : x;
@@ -92,7 +92,7 @@ struct GptBlockImpl : nn::Module {
 };
 TORCH_MODULE(GptBlock);
 
-bool ends_with(const std::string& s, const std::string& suffix) {
+bool gpt_ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
@@ -104,14 +104,14 @@ void init_gpt(nn::Sequential& m, int64_t n_layer, uint64_t seed) {
     const std::string& name = np.key();
     torch::Tensor& p = np.value();
     const bool norm = name.find("ln_") != std::string::npos;
-    if (ends_with(name, ".bias")) {
+    if (gpt_ends_with(name, ".bias")) {
       p.zero_();
     } else if (norm) {
       p.fill_(1.0);
     } else {
       // Drawn on the CPU, so a CUDA model starts from the same weights.
       auto w = torch::empty(p.sizes(), torch::kFloat);
-      w.normal_(0.0, ends_with(name, "c_proj.weight") ? residual_std : 0.02, gen);
+      w.normal_(0.0, gpt_ends_with(name, "c_proj.weight") ? residual_std : 0.02, gen);
       p.copy_(w);
     }
   }
@@ -124,16 +124,16 @@ nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
     throw_config_error("model 'gpt' takes text: set data.dataset = \"text\" (tokens, not images)");
   const int64_t block = o.block_size > 0 ? o.block_size : in.block_size;
   if (block < in.block_size)
-    throw_config_error("model 'gpt': model.block_size = " + str(block) +
+    throw_config_error("model 'gpt': model.block_size = " + gpt_str(block) +
                        " is shorter than the data's windows (data.block_size = " +
-                       str(in.block_size) + "); make it at least that, or 0 to follow the data");
+                       gpt_str(in.block_size) + "); make it at least that, or 0 to follow the data");
   if (o.n_embd % o.n_head != 0)
-    throw_config_error("model 'gpt': model.n_head = " + str(o.n_head) +
-                       " must divide model.n_embd = " + str(o.n_embd));
+    throw_config_error("model 'gpt': model.n_head = " + gpt_str(o.n_head) +
+                       " must divide model.n_embd = " + gpt_str(o.n_embd));
   nn::Sequential m;
   m->push_back("embed", Embed(in.num_classes, block, o.n_embd, o.dropout));
   for (int64_t i = 0; i < o.n_layer; ++i)
-    m->push_back("block" + str(i), GptBlock(o.n_embd, o.n_head, o.dropout));
+    m->push_back("block" + gpt_str(i), GptBlock(o.n_embd, o.n_head, o.dropout));
   m->push_back("ln_f", nn::LayerNorm(nn::LayerNormOptions({o.n_embd})));
   m->push_back("head", nn::Linear(nn::LinearOptions(o.n_embd, in.num_classes).bias(false)));
   init_gpt(m, o.n_layer, in.seed);

@@ -58,7 +58,7 @@ constexpr const char* kSuffix = ".so";
 
 [[noreturn]] void fail(const std::string& msg) { throw PluginError(msg); }
 
-std::string join(const std::vector<std::string>& items, const char* sep = ", ") {
+std::string join_names(const std::vector<std::string>& items, const char* sep = ", ") {
   std::string out;
   for (const auto& s : items) out += (out.empty() ? "" : sep) + s;
   return out;
@@ -132,7 +132,7 @@ void add_unique(std::vector<std::string>& v, const std::string& s) {
 }
 
 /// `string "amp"`, `integer 3`, `a table`: what a TOML value is, for errors.
-std::string describe_value(const toml::node& n) {
+std::string describe_node(const toml::node& n) {
   std::ostringstream os;
   switch (n.type()) {
     case toml::node_type::table: return "a table";
@@ -336,7 +336,7 @@ std::vector<std::string> PluginHost::config_paths(const toml::table& plugins,
     if (!s)
       throw_config_error(location(item, source) +
                          ": 'plugins.path' must be a folder or a list of folders (strings), got " +
-                         describe_value(item));
+                         describe_node(item));
     fs::path p = s->get();
     if (p.is_relative() && !base.empty()) p = base / p;
     out.push_back(p.lexically_normal().string());
@@ -394,11 +394,11 @@ std::vector<PluginHost::Wanted> PluginHost::wanted_plugins(const toml::table& pl
     const auto* t = node.as_table();
     if (!t)
       throw_config_error(location(node, source) + ": 'plugins." + name + "' must be a table ([plugins." +
-                         name + "], empty to use the defaults), got " + describe_value(node));
+                         name + "], empty to use the defaults), got " + describe_node(node));
     if (const toml::node* e = t->get("enabled")) {
       if (!e->is_boolean())
         throw_config_error(location(*e, source) + ": 'plugins." + name +
-                           ".enabled' must be true or false, got " + describe_value(*e));
+                           ".enabled' must be true or false, got " + describe_node(*e));
       if (!e->as_boolean()->get()) continue;
     }
     wanted.push_back({name, t, nullptr});
@@ -421,8 +421,8 @@ void PluginHost::open_libraries(std::vector<Wanted>& wanted, const std::string& 
       const std::string near = nearest(w.name, names);
       if (!near.empty()) msg += "; did you mean '" + near + "'?";
       const char* env = std::getenv("FRUGAL_PLUGIN_PATH");
-      msg += " Available: " + (names.empty() ? std::string("none") : join(names)) +
-             ". Searched: " + join(search_path_) + " (FRUGAL_PLUGIN_PATH: " +
+      msg += " Available: " + (names.empty() ? std::string("none") : join_names(names)) +
+             ". Searched: " + join_names(search_path_) + " (FRUGAL_PLUGIN_PATH: " +
              (env && *env ? env : "unset") + "). Add a folder with [plugins] path or FRUGAL_PLUGIN_PATH";
       fail(msg);
     }

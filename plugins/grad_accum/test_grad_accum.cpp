@@ -12,7 +12,7 @@ namespace {
 namespace ga = frugal::grad_accum;
 
 
-TinySetup setup(int64_t samples, int64_t batch) { return exact_setup(samples, batch, 0.5); }
+TinySetup accum_setup(int64_t samples, int64_t batch) { return exact_setup(samples, batch, 0.5); }
 
 /// Records how many micro-batches each batch ran as.
 struct MicroProbe : Callback {
@@ -76,34 +76,34 @@ TEST(GradAccumMath, GroupsCoverTheEpochAndWeighBatchesBySamples) {
 }
 
 TEST(GradAccumAccumulate, FourBatchesOf16EqualOneStepOn64) {
-  const FitResult acc = fit_with("[plugins.grad_accum]\nsteps = 4\nmode = \"accumulate\"\n", setup(64, 16));
-  const FitResult big = fit_with("", setup(64, 64));
+  const FitResult acc = fit_with("[plugins.grad_accum]\nsteps = 4\nmode = \"accumulate\"\n", accum_setup(64, 16));
+  const FitResult big = fit_with("", accum_setup(64, 64));
   EXPECT_EQ(acc.iterations, 4);
   EXPECT_EQ(acc.steps, 1);
   EXPECT_EQ(big.steps, 1);
   expect_close(acc, big);
-  const FitResult plain = fit_with("", setup(64, 16));  // 4 steps: the comparison can fail
+  const FitResult plain = fit_with("", accum_setup(64, 16));  // 4 steps: the comparison can fail
   EXPECT_FALSE(torch::allclose(plain.params[0], big.params[0], 1e-5, 1e-5));
 }
 
 TEST(GradAccumAccumulate, UnevenLastGroupIsExact) {
   // 56 samples: batches 16, 16, 16, 8.
   const char* two = "[plugins.grad_accum]\nsteps = 2\nmode = \"accumulate\"\n";
-  const FitResult acc2 = fit_with(two, setup(56, 16));
-  const FitResult big32 = fit_with("", setup(56, 32));  // 32, 24
+  const FitResult acc2 = fit_with(two, accum_setup(56, 16));
+  const FitResult big32 = fit_with("", accum_setup(56, 32));  // 32, 24
   EXPECT_EQ(acc2.steps, 2);
   EXPECT_EQ(big32.steps, 2);
   expect_close(acc2, big32);
 
   const char* four = "[plugins.grad_accum]\nsteps = 4\nmode = \"accumulate\"\n";
-  const FitResult acc4 = fit_with(four, setup(56, 16));
-  const FitResult big56 = fit_with("", setup(56, 56));
+  const FitResult acc4 = fit_with(four, accum_setup(56, 16));
+  const FitResult big56 = fit_with("", accum_setup(56, 56));
   EXPECT_EQ(acc4.steps, 1);
   expect_close(acc4, big56);
 }
 
 TEST(GradAccumAccumulate, OptimizerStepsAreCountedAndPartialGroupsStepOrDrop) {
-  const TinySetup s = setup(128, 16);  // 8 batches per epoch
+  const TinySetup s = accum_setup(128, 16);  // 8 batches per epoch
   EXPECT_EQ(fit_with("[plugins.grad_accum]\nsteps = 4\nmode = \"accumulate\"\n", s).steps, 2);
   EXPECT_EQ(fit_with("[plugins.grad_accum]\nsteps = 4\nmode = \"accumulate\"\n", s, 3).steps, 6);
   EXPECT_EQ(fit_with("[plugins.grad_accum]\nsteps = 3\nmode = \"accumulate\"\n", s).steps, 3);
@@ -120,21 +120,21 @@ TEST(GradAccumAccumulate, OptimizerStepsAreCountedAndPartialGroupsStepOrDrop) {
 }
 
 TEST(GradAccumSplit, SplitBatchEqualsTheWholeBatch) {
-  const FitResult split = fit_with("[plugins.grad_accum]\nsteps = 4\n", setup(64, 32));
-  const FitResult whole = fit_with("", setup(64, 32));
+  const FitResult split = fit_with("[plugins.grad_accum]\nsteps = 4\n", accum_setup(64, 32));
+  const FitResult whole = fit_with("", accum_setup(64, 32));
   EXPECT_EQ(split.micro, (std::vector<int64_t>{4, 4}));
   EXPECT_EQ(whole.micro, (std::vector<int64_t>{1, 1}));
   EXPECT_EQ(split.steps, 2);
   expect_close(split, whole);
   // Uneven: 56 samples in batches of 32 (32, 24) as micro-batches of 11.
-  const FitResult uneven = fit_with("[plugins.grad_accum]\nsteps = 3\n", setup(56, 32));
+  const FitResult uneven = fit_with("[plugins.grad_accum]\nsteps = 3\n", accum_setup(56, 32));
   EXPECT_EQ(uneven.micro, (std::vector<int64_t>{3, 3}));
-  expect_close(uneven, fit_with("", setup(56, 32)));
+  expect_close(uneven, fit_with("", accum_setup(56, 32)));
 }
 
 TEST(GradAccumSplit, MicroBatchSizeIsRestoredAfterTheFit) {
   PluginHost host;
-  auto l = make_tiny_learner(setup(64, 16));
+  auto l = make_tiny_learner(accum_setup(64, 16));
   for (auto& cb : host.load(plugins_of("[plugins.grad_accum]\nsteps = 2\n"), "cfg.toml"))
     l->add_callback(cb);
   l->fit(1);

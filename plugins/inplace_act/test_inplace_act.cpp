@@ -304,7 +304,7 @@ TEST(InplaceActMemory, SavesOneTensorPerActivationThatKeepsItsInputAndNothingFor
 
 // ---- the plugin --------------------------------------------------------------------------
 
-std::shared_ptr<spdlog::logger> capture_logger(std::ostringstream& out) {
+std::shared_ptr<spdlog::logger> inplace_capture_logger(std::ostringstream& out) {
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
   sink->set_pattern("%l %n: %v");
   auto log = std::make_shared<spdlog::logger>("inplace_act", sink);
@@ -327,7 +327,7 @@ TEST(InplaceActPlugin, TrainsBitwiseAsWithoutReportsWhatChangedAndRestoresTheFla
     auto l = mlp_learner();
     ia::InplaceActOptions o;
     o.dropout = true;
-    auto cb = std::make_shared<ia::InplaceAct>(o, PluginContext{"inplace_act", capture_logger(log)});
+    auto cb = std::make_shared<ia::InplaceAct>(o, PluginContext{"inplace_act", inplace_capture_logger(log)});
     l->add_callback(cb);
     torch::manual_seed(11);
     l->fit({make_stage("one", 2)});
@@ -381,7 +381,7 @@ TEST(InplaceActPlugin, ChecksAtTheFirstStagesImageSize) {
                                      OptimizerOptions{}, ce());
   std::ostringstream log;
   auto cb = std::make_shared<ia::InplaceAct>(ia::InplaceActOptions{},
-                                             PluginContext{"inplace_act", capture_logger(log)});
+                                             PluginContext{"inplace_act", inplace_capture_logger(log)});
   l->add_callback(cb);
   Stage st = make_stage("small", 1);
   st.image_size = 4;

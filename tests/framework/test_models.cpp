@@ -14,7 +14,7 @@ class Model : public test::Seeded {};
 class Optimizer : public test::Seeded {};
 
 template <class Fn>
-std::string config_error(Fn&& f) {
+std::string model_config_error(Fn&& f) {
   try {
     f();
   } catch (const ConfigError& e) {
@@ -152,27 +152,27 @@ TEST_F(Model, VitBlockNamesAndTokens) {
 // ---- configuration errors ------------------------------------------------------------------
 
 TEST_F(Model, MlpRejectsTwoImageSizes) {
-  auto msg = config_error([] { make_model(arch("mlp"), input(1, 10, {28, 14, 28})); });
+  auto msg = model_config_error([] { make_model(arch("mlp"), input(1, 10, {28, 14, 28})); });
   EXPECT_NE(msg.find("model 'mlp' takes one image size; the stages use 14 and 28"),
             std::string::npos)
       << msg;
 }
 
 TEST_F(Model, VitRejectsTwoImageSizes) {
-  auto msg = config_error([] { make_model(arch("vit"), input(1, 10, {14, 28})); });
+  auto msg = model_config_error([] { make_model(arch("vit"), input(1, 10, {14, 28})); });
   EXPECT_NE(msg.find("model 'vit' takes one image size"), std::string::npos) << msg;
 }
 
 TEST_F(Model, VitRejectsPatchNotDividingSize) {
   auto o = arch("vit");
   o.patch = 5;
-  auto msg = config_error([&] { make_model(o, input(1, 10, {28})); });
+  auto msg = model_config_error([&] { make_model(o, input(1, 10, {28})); });
   EXPECT_NE(msg.find("model.patch = 5"), std::string::npos) << msg;
   EXPECT_NE(msg.find("28"), std::string::npos) << msg;
 }
 
 TEST_F(Model, CnnRejectsTinyImages) {
-  auto msg = config_error([] { make_model(arch("cnn"), input(1, 10, {2})); });
+  auto msg = model_config_error([] { make_model(arch("cnn"), input(1, 10, {2})); });
   EXPECT_NE(msg.find("at least 4x4"), std::string::npos) << msg;
   // 4 x 4 is enough.
   auto m = make_model(arch("cnn"), input(1, 10, {4}));
@@ -180,7 +180,7 @@ TEST_F(Model, CnnRejectsTinyImages) {
 }
 
 TEST_F(Model, UnknownArchNamesNearest) {
-  auto msg = config_error([] { make_model(arch("resnte"), input(1, 10, {28})); });
+  auto msg = model_config_error([] { make_model(arch("resnte"), input(1, 10, {28})); });
   EXPECT_NE(msg.find("unknown model 'resnte'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean 'resnet'?"), std::string::npos) << msg;
   EXPECT_NE(msg.find("cnn, gpt, mlp, resnet, vit"), std::string::npos) << msg;
@@ -239,7 +239,7 @@ TEST_F(Model, CrossEntropyWithLabelSmoothing) {
   EXPECT_GT(l1, l0 + 0.5);  // confident predictions pay for the smoothed targets
   LossOptions unknown;
   unknown.name = "cross_entropyy";
-  EXPECT_NE(config_error([&] { make_loss(unknown); }).find("did you mean 'cross_entropy'"),
+  EXPECT_NE(model_config_error([&] { make_loss(unknown); }).find("did you mean 'cross_entropy'"),
             std::string::npos);
 }
 
@@ -262,7 +262,7 @@ TEST_F(Model, MakeDatasetSyntheticSplits) {
   EXPECT_EQ(make_dataset(o, true).size(), 50);
   EXPECT_EQ(make_dataset(o, false).size(), 20);
   o.dataset = "synthtic";
-  EXPECT_NE(config_error([&] { make_dataset(o, true); }).find("did you mean 'synthetic'"),
+  EXPECT_NE(model_config_error([&] { make_dataset(o, true); }).find("did you mean 'synthetic'"),
             std::string::npos);
 }
 
@@ -341,7 +341,7 @@ TEST_F(Optimizer, CarriesTheOptions) {
 TEST_F(Optimizer, RejectsUnknownNamingAllowed) {
   OptimizerOptions o;
   o.name = "adma";
-  auto msg = config_error([&] { make_optimizer(o, {torch::zeros({1}, torch::requires_grad())}); });
+  auto msg = model_config_error([&] { make_optimizer(o, {torch::zeros({1}, torch::requires_grad())}); });
   EXPECT_NE(msg.find("unknown optimizer 'adma'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean 'adam'?"), std::string::npos) << msg;
   EXPECT_NE(msg.find("Available: adagrad, adam, adamw, rmsprop, sgd"), std::string::npos) << msg;

@@ -14,7 +14,7 @@
 namespace frugal {
 namespace {
 
-std::string config_error(const std::string& text, const std::vector<std::string>& overrides = {}) {
+std::string optimizer_config_error(const std::string& text, const std::vector<std::string>& overrides = {}) {
   try {
     parse_config(text, "cfg.toml", overrides);
   } catch (const ConfigError& e) {
@@ -131,7 +131,7 @@ TEST(OptimizerRegistry, UnknownNameListsTheRegisteredNames) {
   EXPECT_EQ(built,
             "unknown optimizer 'adma'; did you mean 'adam'? Available: adagrad, adam, adamw, "
             "rmsprop, sgd");
-  EXPECT_EQ(config_error("[optimizer]\nname = \"lamb\"\n"),
+  EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"lamb\"\n"),
             "cfg.toml:2:8: 'optimizer.name' must be one of adagrad, adam, adamw, rmsprop, sgd; "
             "got \"lamb\"");
 }
@@ -200,17 +200,17 @@ TEST_F(PluginOptimizer, ItsNameAndKeysAreReadFromToml) {
 }
 
 TEST_F(PluginOptimizer, KeysOfOtherOptimizersAreRefusedNamingIt) {
-  EXPECT_EQ(config_error("[optimizer]\nname = \"test_nesterov\"\nbeta1 = 0.9\n"),
+  EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\nbeta1 = 0.9\n"),
             "cfg.toml:3:1: unknown key 'optimizer.beta1'. 'beta1' is a key of adam and adamw, "
             "not of optimizer \"test_nesterov\". Allowed keys in [optimizer]: name, lr, "
             "weight_decay, momentum, warm_steps");
-  EXPECT_EQ(config_error("[optimizer]\nname = \"test_nesterov\"\nmomentum = 1.5\n"),
+  EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\nmomentum = 1.5\n"),
             "cfg.toml:3:12: 'optimizer.momentum' must be a number in [0, 1], got 1.5");
 }
 
 TEST_F(PluginOptimizer, UnregisteredItIsUnknownAgain) {
   optimizers().remove_owner("test-plugin");
-  const std::string msg = config_error("[optimizer]\nname = \"test_nesterov\"\n");
+  const std::string msg = optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\n");
   EXPECT_NE(msg.find("must be one of adagrad, adam, adamw, rmsprop, sgd"), std::string::npos)
       << msg;
 }
@@ -218,11 +218,11 @@ TEST_F(PluginOptimizer, UnregisteredItIsUnknownAgain) {
 // ---- per-optimizer keys ----------------------------------------------------------------------
 
 TEST(OptimizerKeys, AKeyOfAnotherOptimizerIsAnErrorNamingTheOptimizerAndItsKeys) {
-  EXPECT_EQ(config_error("[optimizer]\nname = \"adam\"\nmomentum = 0.9\n"),
+  EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"adam\"\nmomentum = 0.9\n"),
             "cfg.toml:3:1: unknown key 'optimizer.momentum'. 'momentum' is a key of rmsprop and "
             "sgd, not of optimizer \"adam\". Allowed keys in [optimizer]: name, lr, weight_decay, "
             "beta1, beta2, eps");
-  EXPECT_EQ(config_error("[optimizer]\nname = \"sgd\"\nbeta3 = 0.9\n"),
+  EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"sgd\"\nbeta3 = 0.9\n"),
             "cfg.toml:3:1: unknown key 'optimizer.beta3'. Optimizer \"sgd\" has no such key. "
             "Allowed keys in [optimizer]: name, lr, weight_decay, momentum");
 }
@@ -232,7 +232,7 @@ TEST(OptimizerKeys, SetOverridesAnOwnKey) {
   EXPECT_DOUBLE_EQ(c.optimizer.get<double>("momentum"), 0.9);
   const Config d = parse_config("", "cfg.toml", {"optimizer.name=rmsprop", "optimizer.momentum=0.5"});
   EXPECT_DOUBLE_EQ(d.optimizer.get<double>("momentum"), 0.5);
-  EXPECT_EQ(config_error("", {"optimizer.momentum=0.9"}),
+  EXPECT_EQ(optimizer_config_error("", {"optimizer.momentum=0.9"}),
             "--set optimizer.momentum=0.9: unknown key 'optimizer.momentum'. 'momentum' is a key "
             "of rmsprop and sgd, not of optimizer \"adam\". Allowed keys in [optimizer]: name, "
             "lr, weight_decay, beta1, beta2, eps");
@@ -250,7 +250,7 @@ TEST(OptimizerKeys, AStageWithAnotherNameInheritsTheKeysItShares) {
   EXPECT_FALSE(s.own.contains("beta1"));  // adam's own, dropped
   EXPECT_DOUBLE_EQ(c.optimizer.get<double>("beta1"), 0.8);  // [optimizer] untouched
   // A key the stage's optimizer lacks, written in the stage's table, is refused.
-  const std::string msg = config_error(
+  const std::string msg = optimizer_config_error(
       "[[stages]]\nname = \"a\"\n[stages.optimizer]\nname = \"sgd\"\neps = 1e-6\n");
   EXPECT_EQ(msg.rfind("cfg.toml:5:1: unknown key 'stages.0.optimizer.eps'. 'eps' is a key of "
                       "adagrad, adam, adamw and rmsprop, not of optimizer \"sgd\".", 0), 0u)

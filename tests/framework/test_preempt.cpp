@@ -19,11 +19,10 @@
 #include "frugal/stop.h"
 #include "learner_fixture.h"
 
-using namespace frugal;
-using namespace frugal::test;
-namespace fs = std::filesystem;
-
+namespace frugal::test {
 namespace {
+
+namespace fs = std::filesystem;
 
 /// 4096 samples in batches of 8, 3 + 2 epochs: long enough that a signal sent at batch 5
 /// arrives mid-run. No periodic checkpoint: the stop must write its own.
@@ -95,7 +94,7 @@ int interrupt_run(const std::string& config, const std::string& log, int sig,
   return wait_child(pid);
 }
 
-std::vector<torch::Tensor> final_params(const std::string& config, const std::string& ckpt) {
+std::vector<torch::Tensor> preempt_final_params(const std::string& config, const std::string& ckpt) {
   auto l = make_learner(load_config(config));
   l->load(ckpt, /*with_opt=*/true);
   return clone_params(*l->model());
@@ -104,8 +103,6 @@ std::vector<torch::Tensor> final_params(const std::string& config, const std::st
 nlohmann::json report_of(const std::string& out) {
   return nlohmann::json::parse(read_text(out + "/report.json"));
 }
-
-}  // namespace
 
 TEST(PreemptCli, SigtermMidEpochCheckpointsThenResumeEqualsTheUninterruptedRun) {
   TempDir dir;
@@ -136,8 +133,8 @@ TEST(PreemptCli, SigtermMidEpochCheckpointsThenResumeEqualsTheUninterruptedRun) 
   auto resumed = run_cli("train " + dir.file("run.toml") + " --resume auto" + at_end);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resuming from " + ckpt), std::string::npos) << resumed.output;
-  const auto a = final_params(dir.file("ref.toml"), ref_out + "/checkpoints/last.ckpt");
-  const auto b = final_params(dir.file("run.toml"), ckpt);
+  const auto a = preempt_final_params(dir.file("ref.toml"), ref_out + "/checkpoints/last.ckpt");
+  const auto b = preempt_final_params(dir.file("run.toml"), ckpt);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i)
     EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i << " after a stop at " << at.dump();
@@ -308,3 +305,6 @@ TEST(Preempt, AResumeFromANumberedCheckpointKeepsTheWritersCadence) {
   run(dir.file("ck/" + numbered_checkpoint_name(3)));
   EXPECT_EQ(names(), want) << "the resumed run writes at 6 and 8 again, not at 4";
 }
+
+}  // namespace
+}  // namespace frugal::test

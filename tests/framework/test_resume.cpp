@@ -40,7 +40,7 @@ struct SaveAndStop : Callback {
 };
 
 /// Records the events a fit fires, with the iteration counter at each.
-struct Recorder : Callback {
+struct ResumeRecorder : Callback {
   std::string name() const override { return "recorder"; }
   void before_fit(Learner& l) override { add("before_fit", l); }
   void before_stage(Learner& l) override { add("before_stage", l); }
@@ -182,7 +182,7 @@ TEST(Resume, OnlyTheResumedPositionFiresItsBeforeEvents) {
     first->fit(stages);
   }
   auto second = make_tiny_learner(s);
-  auto rec = std::make_shared<Recorder>();
+  auto rec = std::make_shared<ResumeRecorder>();
   second->add_callback(rec);
   second->load_checkpoint(dir.file("c"));
   const FitPosition p = *second->pending_resume();
@@ -213,7 +213,7 @@ TEST(Resume, AFinishedFitResumesToNothing) {
   auto b = make_tiny_learner();
   b->load_checkpoint(dir.file("done"));
   EXPECT_TRUE(b->pending_resume()->done);
-  auto rec = std::make_shared<Recorder>();
+  auto rec = std::make_shared<ResumeRecorder>();
   b->add_callback(rec);
   b->fit(2);
   EXPECT_TRUE(params_equal(*b->model(), after));

@@ -20,7 +20,7 @@ std::string write_file(const TempDir& d, const std::string& name, const std::str
   return p;
 }
 
-std::string message_of(const std::function<void()>& f) {
+std::string text_error_of(const std::function<void()>& f) {
   try {
     f();
   } catch (const std::exception& e) {
@@ -65,13 +65,13 @@ TEST(TextData, FoldersAreReadRecursivelyInPathOrderWithoutLinks) {
 
 TEST(TextData, ErrorsNameThePathAndWhatIsMissing) {
   TempDir d;
-  EXPECT_NE(message_of([&] { load_text({d.file("nope.txt")}, 8, 0, true); }).find(d.file("nope.txt")),
+  EXPECT_NE(text_error_of([&] { load_text({d.file("nope.txt")}, 8, 0, true); }).find(d.file("nope.txt")),
             std::string::npos);
   const std::string empty = write_file(d, "empty.txt", "");
-  EXPECT_NE(message_of([&] { load_text({empty}, 8, 0, true); }).find("hold no bytes"),
+  EXPECT_NE(text_error_of([&] { load_text({empty}, 8, 0, true); }).find("hold no bytes"),
             std::string::npos);
   const std::string shorter = write_file(d, "short.txt", std::string(50, 'x'));
-  const std::string m = message_of([&] { load_text({shorter}, 8, 0, true); });
+  const std::string m = text_error_of([&] { load_text({shorter}, 8, 0, true); });
   EXPECT_NE(m.find("50 bytes"), std::string::npos) << m;
   EXPECT_NE(m.find("block_size 8"), std::string::npos) << m;
   EXPECT_THROW(load_text({}, 8, 0, true), DataError);
@@ -129,7 +129,7 @@ TEST(TextConfig, MissingCorpusIsAConfigErrorNamingTheKeyBeforeAnyWork) {
   const Config c = parse_config(
       "[data]\ndataset = \"text\"\npaths = [\"/nonexistent/corpus.txt\"]\n[model]\narch = \"gpt\"\n",
       "cfg.toml");
-  const std::string m = message_of([&] { check_config(c); });
+  const std::string m = text_error_of([&] { check_config(c); });
   EXPECT_NE(m.find("cfg.toml: data.paths"), std::string::npos) << m;
   EXPECT_NE(m.find("/nonexistent/corpus.txt"), std::string::npos) << m;
 }
@@ -140,11 +140,11 @@ TEST(TextConfig, ImageModelsRefuseTextAndGptRefusesImages) {
   const Config c = parse_config("[data]\ndataset = \"text\"\nblock_size = 16\npaths = [\"" + p +
                                     "\"]\n[model]\narch = \"mlp\"\n",
                                 "cfg.toml");
-  const std::string m = message_of([&] { check_config(c); });
+  const std::string m = text_error_of([&] { check_config(c); });
   EXPECT_NE(m.find("model.arch = \"gpt\""), std::string::npos) << m;
   const Config g = parse_config("[data]\ndataset = \"synthetic\"\n[model]\narch = \"gpt\"\n", "cfg.toml");
-  EXPECT_NE(message_of([&] { check_config(g); }).find("takes text"), std::string::npos);
-  EXPECT_NE(message_of([&] { parse_config("[model]\narch = \"gpt\"\nn_embd = 30\nn_head = 4\n", "cfg.toml"); })
+  EXPECT_NE(text_error_of([&] { check_config(g); }).find("takes text"), std::string::npos);
+  EXPECT_NE(text_error_of([&] { parse_config("[model]\narch = \"gpt\"\nn_embd = 30\nn_head = 4\n", "cfg.toml"); })
                 .find("n_embd = 32"),
             std::string::npos);
 }
