@@ -119,7 +119,8 @@ void summarize(Row& row, const std::vector<ChildResult>& reps) {
     row.ok = true;
     row.iterations = get_i(fit, "iterations");
     row.peak = get_i(fit, "peak_bytes");
-    if (r.report.contains("reserved_bytes")) row.reserved = get_i(r.report, "reserved_bytes");
+    for (const char* key : {"reserved_bytes", "reserved_peak_bytes"})  // the peak when known
+      if (r.report.contains(key)) row.reserved = get_i(r.report, key);
     for (const char* p : kPhases) row.phase[p] = get_i(fit["phase_peaks"], p);
     const json steady = fit["stages"].empty() ? json() : fit["stages"][0]["steady"];
     for (const char* c : kCategories) row.steady[c] = get_i(steady, c);

@@ -5,11 +5,10 @@
 #include <iomanip>
 #include <mutex>
 #include <sstream>
-#include <unordered_map>
 
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
 #include <nlohmann/json.hpp>
+
+#include "cpu_allocator.h"
 
 #include "frugal/compat.h"
 #include "frugal/error.h"
@@ -34,96 +33,6 @@ void to_json(nlohmann::json& j, const MemoryBreakdown& b) {
 }
 
 namespace {
-
-// ---- the tracking CPU allocator ----
-// Live bytes are the sum over a pointer -> size map, kept under one mutex. Peaks are kept
-// for the process (slot kWindows) and for each window slot.
-struct Tracker {
-  std::mutex m;
-  std::unordered_map<void*, size_t> sizes;
-  int64_t current = 0;
-  int64_t allocations = 0;
-  std::array<int64_t, MemoryMeter::kWindows + 1> peaks{};  // last = process peak
-  int64_t budget = 0;  // 0 = none
-  int64_t refused = 0;
-
-  // Counts n bytes as live before they are allocated, so the budget check and the count are
-  // one step (two threads cannot both pass the check). False, with the live bytes, when the
-  // budget refuses them.
-  bool reserve(size_t n, int64_t* live, int64_t* limit) {
-    std::lock_guard<std::mutex> g(m);
-    if (budget > 0 && current + static_cast<int64_t>(n) > budget) {
-      ++refused;
-      *live = current;
-      *limit = budget;
-      return false;
-    }
-    current += static_cast<int64_t>(n);
-    ++allocations;
-    for (auto& pk : peaks) pk = std::max(pk, current);
-    return true;
-  }
-  void unreserve(size_t n) {
-    std::lock_guard<std::mutex> g(m);
-    current -= static_cast<int64_t>(n);
-  }
-  void commit(void* p, size_t n) {
-    std::lock_guard<std::mutex> g(m);
-    sizes.emplace(p, n);
-  }
-  void remove(void* p) {
-    std::lock_guard<std::mutex> g(m);
-    auto it = sizes.find(p);
-    if (it == sizes.end()) return;  // allocated before install by another allocator's path
-    current -= static_cast<int64_t>(it->second);
-    sizes.erase(it);
-  }
-};
-
-Tracker& tracker() {
-  static auto* t = new Tracker();  // never destroyed: tensors may die after main returns
-  return *t;
-}
-
-void tracked_delete(void* p) {
-  if (!p) return;
-  tracker().remove(p);
-  c10::free_cpu(p);
-}
-
-class TrackingAllocator final : public c10::Allocator {
- public:
-  c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
-    if (n == 0) return {nullptr, nullptr, &tracked_delete, c10::Device(c10::DeviceType::CPU)};
-    int64_t live = 0, budget = 0;
-    if (!tracker().reserve(n, &live, &budget)) refuse(n, live, budget);
-    void* p = nullptr;
-    try {
-      p = c10::alloc_cpu(n);
-    } catch (...) {
-      tracker().unreserve(n);
-      throw;
-    }
-    tracker().commit(p, n);
-    // The context is the data pointer and raw_deleter() is set: raw_allocate works
-    // (oneDNN's bfloat16 kernels call it).
-    return {p, p, &tracked_delete, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &tracked_delete; }
-  FRUGAL_ALLOCATOR_COPY_DATA
-
- private:
-  // The message reads like CUDA's caching allocator's, and the type is the one it throws.
-  [[noreturn]] static void refuse(size_t n, int64_t live, int64_t budget) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "frugal: out of memory: tried to allocate ",
-                     format_bytes(static_cast<int64_t>(n)), "; ", format_bytes(live),
-                     " live of budget ", format_bytes(budget), " (run.memory_budget)");
-    std::abort();  // unreachable: TORCH_CHECK_WITH(.., false, ..) throws
-  }
-};
-
-std::once_flag g_install_once;
-bool g_installed = false;
 
 #ifdef FRUGAL_WITH_CUDA
 // The caching allocator has one peak statistic; windows are kept exact by folding that peak
@@ -174,15 +83,9 @@ MemoryMeter& MemoryMeter::get() {
   return *m;
 }
 
-void MemoryMeter::install() {
-  std::call_once(g_install_once, [] {
-    static auto* alloc = new TrackingAllocator();
-    c10::SetCPUAllocator(alloc, /*priority=*/100);
-    g_installed = true;
-  });
-}
+void MemoryMeter::install() { detail::install_cpu_allocator(); }
 
-bool MemoryMeter::installed() { return g_installed; }
+bool MemoryMeter::installed() { return detail::cpu_allocator_installed(); }
 
 void MemoryMeter::set_device(const torch::Device& d) {
 #ifndef FRUGAL_WITH_CUDA
@@ -196,39 +99,59 @@ int64_t MemoryMeter::current() const {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return compat::cuda_stats(device_.index() < 0 ? 0 : device_.index()).allocated;
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  return tracker().current;
+  return detail::cpu_counters().allocated.load();
 }
 
 int64_t MemoryMeter::peak() const {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return cuda_windows().peak(std::max<int>(device_.index(), 0), kWindows);
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  return tracker().peaks[kWindows];
+  return detail::cpu_counters().peaks[kWindows].load();
 }
+
+static_assert(detail::CpuAllocatorCounters::kSlots == MemoryMeter::kWindows + 1);
 
 void MemoryMeter::reset_peak() {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return cuda_windows().reset_slot(std::max<int>(device_.index(), 0), kWindows);
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  tracker().peaks[kWindows] = tracker().current;
+  auto& c = detail::cpu_counters();
+  c.peaks[kWindows] = c.allocated.load();
 }
 
 int64_t MemoryMeter::reserved() const {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return compat::cuda_stats(std::max<int>(device_.index(), 0)).reserved;
 #endif
-  return current();
+  return detail::cpu_cache_stats().reserved;
+}
+
+AllocatorStats MemoryMeter::allocator_stats() const {
+  AllocatorStats out;
+  out.allocated = current();
+#ifdef FRUGAL_WITH_CUDA
+  if (device_.is_cuda()) {
+    auto s = compat::cuda_stats(std::max<int>(device_.index(), 0));
+    out.reserved = s.reserved;
+    out.reserved_peak = s.reserved_peak;
+    return out;
+  }
+#endif
+  auto s = detail::cpu_cache_stats();
+  out.reserved = s.reserved;
+  out.reserved_peak = s.reserved_peak;
+  out.segments = s.segments;
+  out.system_allocations = s.system_allocations;
+  out.system_frees = s.system_frees;
+  out.caching = s.caching;
+  return out;
 }
 
 int64_t MemoryMeter::allocations() const {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return compat::cuda_stats(std::max<int>(device_.index(), 0)).allocations;
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  return tracker().allocations;
+  return detail::cpu_counters().allocations.load();
 }
 
 namespace {
@@ -264,16 +187,15 @@ void MemoryMeter::reset_window(int slot) {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return cuda_windows().reset_slot(std::max<int>(device_.index(), 0), slot);
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  tracker().peaks[static_cast<size_t>(slot)] = tracker().current;
+  auto& c = detail::cpu_counters();
+  c.peaks[static_cast<size_t>(slot)] = c.allocated.load();
 }
 
 int64_t MemoryMeter::window_peak(int slot) const {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) return cuda_windows().peak(std::max<int>(device_.index(), 0), slot);
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  return tracker().peaks[static_cast<size_t>(slot)];
+  return detail::cpu_counters().peaks[static_cast<size_t>(slot)].load();
 }
 
 void MemoryMeter::close_window(int slot) {
@@ -307,10 +229,15 @@ void MemoryWindow::close() noexcept {
   slot_ = -1;
 }
 
-void MemoryMeter::empty_cache() {
+int64_t MemoryMeter::empty_cache() {
 #ifdef FRUGAL_WITH_CUDA
-  if (device_.is_cuda()) compat::cuda_empty_cache();
+  if (device_.is_cuda()) {
+    const int64_t before = reserved();
+    compat::cuda_empty_cache();
+    return before - reserved();
+  }
 #endif
+  return detail::cpu_empty_cache();
 }
 
 void MemoryMeter::set_budget(int64_t bytes) {
@@ -322,14 +249,12 @@ void MemoryMeter::set_budget(int64_t bytes) {
     return;
   }
 #endif
-  std::lock_guard<std::mutex> g(tracker().m);
-  tracker().budget = bytes;
+  detail::cpu_counters().budget = bytes;
   budget_ = bytes;
 }
 
 int64_t MemoryMeter::refused() const {
-  std::lock_guard<std::mutex> g(tracker().m);
-  return tracker().refused;
+  return detail::cpu_counters().refused.load();
 }
 
 // ---- formatting ----

@@ -16,6 +16,7 @@
 #include "frugal/config.h"
 #include "frugal/error.h"
 #include "frugal/learner.h"
+#include "frugal/threads.h"
 #include "frugal/version.h"
 
 namespace frugal {
@@ -90,8 +91,14 @@ nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::js
       {"config", config},
       {"fit", l.destroyed() ? nlohmann::json() : l.report()},
   };
-  // On CUDA the caching allocator holds more than the live bytes; that is what the driver sees.
-  if (l.device().is_cuda()) r["reserved_bytes"] = MemoryMeter::get().reserved();
+  // The caching allocator (CPU or CUDA) holds more than the live bytes: that is what the system
+  // sees. Peak reserved is since the process started (CPU) or the last reset (CUDA).
+  if (auto t = last_thread_choice())
+    r["threads_auto"] = {{"chosen", t->chosen}, {"many", t->many}, {"one_thread_ms", t->one_ms},
+                         {"many_threads_ms", t->many_ms}, {"steps_per_candidate", t->samples}};
+  const AllocatorStats a = MemoryMeter::get().allocator_stats();
+  r["reserved_bytes"] = a.reserved;
+  r["reserved_peak_bytes"] = a.reserved_peak;
   for (auto it = extra.begin(); extra.is_object() && it != extra.end(); ++it) r[it.key()] = it.value();
   return r;
 }
@@ -137,7 +144,14 @@ std::string report_markdown(const nlohmann::json& r) {
   const auto& fit = r["fit"];
   md << "# frugal run report\n\n";
   md << "config `" << r.value("config_file", "") << "`, LibTorch " << r.value("libtorch_version", "")
-     << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads\n\n";
+     << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads";
+  if (r.contains("threads_auto")) {
+    const auto& t = r["threads_auto"];
+    md << " (run.threads = auto: a step took " << num(t.value("one_thread_ms", 0.0), 2)
+       << " ms on 1 thread, " << num(t.value("many_threads_ms", 0.0), 2) << " ms on "
+       << t.value("many", 0) << ")";
+  }
+  md << "\n\n";
   if (r.contains("error")) md << "**The run stopped with an error:** " << r["error"].get<std::string>() << "\n\n";
   if (r.contains("interrupted") && r["interrupted"].is_object()) {
     const auto& i = r["interrupted"];
@@ -160,7 +174,10 @@ std::string report_markdown(const nlohmann::json& r) {
        << " | " << format_bytes(get_i(b, "activations")) << " | " << format_bytes(get_i(b, "data"))
        << " | " << format_bytes(get_i(b, "other")) << " |\n";
   }
-  md << "\nPeak live memory " << format_bytes(get_i(fit, "peak_bytes")) << "; "
+  md << "\nPeak live memory " << format_bytes(get_i(fit, "peak_bytes"));
+  if (r.contains("reserved_peak_bytes"))
+    md << " (the allocator held at most " << format_bytes(get_i(r, "reserved_peak_bytes")) << ")";
+  md << "; "
      << num(fit["samples_per_second"].get<double>(), 0) << " samples/s over "
      << num(fit["train_seconds"].get<double>(), 1) << " s of training; final loss "
      << num(fit["final_loss"].get<double>(), 4);

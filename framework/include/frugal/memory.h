@@ -2,9 +2,12 @@
 /// Memory meter: live and peak bytes, per phase and per stage, and the steady state split
 /// into parameters, gradients, optimizer state and activations.
 ///
-/// On CPU the meter counts through a tracking allocator installed with c10::SetCPUAllocator
-/// (it serves raw_allocate: the DataPtr's context is the data pointer and raw_deleter() is
-/// set, so oneDNN's bfloat16 path works). Tensors allocated before install() are not counted.
+/// On CPU the meter counts through frugal's caching CPU allocator, installed with
+/// c10::SetCPUAllocator: shaped like CUDA's caching allocator (512-byte rounding, a small pool
+/// of 2 MiB segments and a large pool, block splitting and merging), so steady-state training
+/// asks the system for no memory. Live ("allocated") bytes are exactly what tensors asked for;
+/// "reserved" bytes are the segments held, cache included, as on CUDA. FRUGAL_CPU_CACHE=0
+/// turns caching off. Tensors allocated before install() are not counted.
 /// On CUDA it reads the caching allocator's statistics (allocated, reserved, peaks).
 #include <array>
 #include <cstdint>
@@ -41,6 +44,17 @@ int64_t gradient_bytes(const torch::nn::Module& m);
 /// Bytes of the optimizer's state tensors. Declared (and documented) with the optimizer
 /// registry in optimizers.h; repeated here for the meter's users.
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
+
+/// What the allocator holds besides the live bytes (MemoryMeter::allocator_stats()).
+struct AllocatorStats {
+  int64_t allocated = 0;           ///< live bytes (== MemoryMeter::current())
+  int64_t reserved = 0;            ///< bytes held from the system (live + cached + rounding)
+  int64_t reserved_peak = 0;       ///< highest reserved since install (CPU) or reset (CUDA)
+  int64_t segments = 0;            ///< CPU: segments held now
+  int64_t system_allocations = 0;  ///< CPU: segments ever asked from the system
+  int64_t system_frees = 0;        ///< CPU: segments ever given back
+  bool caching = true;             ///< CPU: false when FRUGAL_CPU_CACHE=0
+};
 
 /// The highest live bytes over a region of the run: a forward, a stage, a check. A handle from
 /// MemoryMeter::open_window() holds one of the meter's window slots and gives it back when it
@@ -90,8 +104,10 @@ class MemoryMeter {
   int64_t current() const;
   int64_t peak() const;
   void reset_peak();
-  /// Bytes the CUDA caching allocator holds from the driver (== current() on CPU).
+  /// Bytes the allocator holds from the system or driver: live bytes, cached free blocks and
+  /// rounding. >= current().
   int64_t reserved() const;
+  AllocatorStats allocator_stats() const;
   /// Allocation count since install (CPU) or the allocator's count (CUDA).
   int64_t allocations() const;
 
@@ -101,14 +117,17 @@ class MemoryMeter {
   /// kWindows are open.
   MemoryWindow open_window();
 
-  /// Releases cached blocks the allocator holds (CUDA's empty_cache); no-op on CPU.
-  void empty_cache();
+  /// Gives the allocator's cached free segments back to the system (CUDA's empty_cache, and
+  /// the same on CPU); returns the reserved bytes released.
+  int64_t empty_cache();
 
-  /// A memory budget in bytes (0 = none). On CPU the tracking allocator refuses an allocation
-  /// that would take the live bytes past it, throwing c10::OutOfMemoryError as LibTorch does
-  /// on CUDA, so out-of-memory handling runs (and is tested) without a GPU. On CUDA it sets
-  /// the caching allocator's memory fraction to budget / device memory (that limit applies to
-  /// the bytes the allocator reserves, which include its cache). Applies to the device chosen
+  /// A memory budget in bytes (0 = none). On CPU it bounds the live bytes (what the planner
+  /// predicts and the report's peaks show): an allocation that would take them past it throws
+  /// c10::OutOfMemoryError, as LibTorch does on CUDA, so out-of-memory handling runs (and is
+  /// tested) without a GPU. The CPU cache is given back before a new segment would make the
+  /// reserved bytes pass the budget, so reserved stays within it unless live blocks are
+  /// fragmented. On CUDA it sets the caching allocator's memory fraction to budget / device
+  /// memory (that limit applies to reserved bytes, cache included). Applies to the device chosen
   /// by set_device(); process-wide, like the allocator.
   void set_budget(int64_t bytes);
   int64_t budget() const { return budget_; }

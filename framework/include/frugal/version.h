@@ -4,6 +4,7 @@ namespace frugal {
 inline constexpr const char* kVersion = "0.1.0";
 // 2: Callback::save_state, load_state, held_bytes. 3: FieldVisitor takes Help and ByteSize
 // fields; Options::unknown_key_note. 4: Callback::relations, release_caches (the vtable
-// changed); OomError's phase; MemoryWindow handles.
-inline constexpr int kAbiVersion = 4;
+// changed); OomError's phase; MemoryWindow handles. 5: MemoryMeter::empty_cache returns the
+// bytes released, allocator_stats(); Limits::or_auto.
+inline constexpr int kAbiVersion = 5;
 }  // namespace frugal
