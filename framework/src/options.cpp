@@ -41,7 +41,10 @@ class Describer : public FieldVisitor {
     add(key, "bool", v, help, "true or false");
   }
   void field(const char* key, int64_t& v, Help help, Limits l) override {
-    add(key, "int", v, help, l.describe(true));
+    if (l.or_auto && v == Limits::kAuto)
+      add(key, "int", "auto", help, l.describe(true));
+    else
+      add(key, "int", v, help, l.describe(true));
   }
   void field(const char* key, double& v, Help help, Limits l) override {
     add(key, "float", v, help, l.describe(false));
@@ -83,7 +86,12 @@ class JsonWriter : public FieldVisitor {
  public:
   explicit JsonWriter(nlohmann::json& out) : out_(out) {}
   void field(const char* key, bool& v, Help) override { out_[key] = v; }
-  void field(const char* key, int64_t& v, Help, Limits) override { out_[key] = v; }
+  void field(const char* key, int64_t& v, Help, Limits l) override {
+    if (l.or_auto && v == Limits::kAuto)
+      out_[key] = "auto";
+    else
+      out_[key] = v;
+  }
   void field(const char* key, double& v, Help, Limits) override { out_[key] = v; }
   void field(const char* key, std::string& v, Help, const std::vector<std::string>&) override {
     out_[key] = v;
@@ -144,7 +152,8 @@ std::string Limits::describe(bool integer) const {
   if (has_min && has_max)
     return noun + " in " + (min_exclusive ? "(" : "[") + format_number(min) + ", " +
            format_number(max) + (max_exclusive ? ")" : "]");
-  if (has_min) return noun + (min_exclusive ? " > " : " >= ") + format_number(min);
+  if (has_min)
+    return noun + (min_exclusive ? " > " : " >= ") + format_number(min) + (or_auto ? " or \"auto\"" : "");
   if (has_max) return noun + (max_exclusive ? " < " : " <= ") + format_number(max);
   return noun;
 }

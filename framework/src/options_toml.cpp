@@ -70,6 +70,10 @@ class Reader : public FieldVisitor {
   void field(const char* key, int64_t& v, Help, Limits l) override {
     const toml::node* n = t_.get(key);
     if (!n) return;
+    if (const auto* s = n->as_string(); s && l.or_auto && s->get() == "auto") {
+      v = Limits::kAuto;
+      return;
+    }
     const auto* i = n->as_integer();
     if (!i) fail(key, *n, "must be " + l.describe(true) + ", got " + describe_value(*n));
     if (!l.contains(static_cast<double>(i->get())))
@@ -167,7 +171,12 @@ class TomlWriter : public FieldVisitor {
  public:
   explicit TomlWriter(toml::table& out) : out_(out) {}
   void field(const char* key, bool& v, Help) override { out_.insert_or_assign(key, v); }
-  void field(const char* key, int64_t& v, Help, Limits) override { out_.insert_or_assign(key, v); }
+  void field(const char* key, int64_t& v, Help, Limits l) override {
+    if (l.or_auto && v == Limits::kAuto)
+      out_.insert_or_assign(key, "auto");
+    else
+      out_.insert_or_assign(key, v);
+  }
   void field(const char* key, double& v, Help, Limits) override { out_.insert_or_assign(key, v); }
   void field(const char* key, std::string& v, Help, const std::vector<std::string>&) override {
     out_.insert_or_assign(key, v);

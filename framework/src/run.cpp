@@ -11,6 +11,7 @@
 #include "frugal/error.h"
 #include "frugal/model_export.h"
 #include "frugal/registry.h"
+#include "frugal/threads.h"
 #include "frugal/trace.h"
 
 namespace frugal {
@@ -96,9 +97,23 @@ void check_config(const Config& c) {
   resolve_device(c.run.device);
 }
 
+namespace {
+// run.threads = "auto" on a CPU with several cores: ThreadTuner times the first steps, which
+// then count as warm-up (left out of the step times). A run too short to measure in keeps
+// LibTorch's default, with BLAS on the same count.
+void add_thread_tuner(const Config& c, Learner& l) {
+  if (c.run.threads != Limits::kAuto) return;
+  const int64_t cores = available_cores();
+  const bool room = c.run.max_steps == 0 || c.run.max_steps >= 2 * ThreadTuner::kSteps;
+  if (!l.device().is_cpu() || cores <= 1 || !room) return set_threads(at::get_num_threads());
+  l.add_callback(std::make_shared<ThreadTuner>(cores));
+  l.set_warmup_batches(std::max(c.run.warmup, ThreadTuner::kSteps));
+}
+}  // namespace
+
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) {
   check_config(c);
-  if (c.run.threads > 0) torch::set_num_threads(static_cast<int>(c.run.threads));
+  if (c.run.threads > 0) set_threads(c.run.threads);
   torch::manual_seed(static_cast<uint64_t>(c.run.seed));
   const torch::Device device = resolve_device(c.run.device);
   MemoryMeter::get().set_device(device);
@@ -129,6 +144,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   learner->add_callback(std::make_shared<ModelExport>(
       model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
   learner->set_warmup_batches(c.run.warmup);
+  add_thread_tuner(c, *learner);
   if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   OomPolicy oom;
   oom.budget = c.run.memory_budget.bytes;

@@ -16,7 +16,7 @@ struct RunOptions : Options {
   int64_t seed = 0;                    ///< default 0: weights, data order, dropout
   std::string device = "auto";         ///< cpu | cuda | auto
   std::string out_dir = "runs/latest"; ///< report, resolved config and checkpoints go here
-  int64_t threads = 0;                 ///< intra-op threads; 0 = LibTorch's default
+  int64_t threads = Limits::kAuto;     ///< intra-op threads; kAuto = measured; 0 = LibTorch's
   int64_t max_steps = 0;               ///< stop the fit after this many batches; 0 = no limit
   int64_t log_every = 100;             ///< batches between log lines when not on a terminal
   std::string progress = "auto";       ///< auto | bar | log | none

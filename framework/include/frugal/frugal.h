@@ -19,5 +19,6 @@
 #include "frugal/run.h"
 #include "frugal/rng.h"
 #include "frugal/task.h"
+#include "frugal/threads.h"
 #include "frugal/trace.h"
 #include "frugal/version.h"

@@ -22,6 +22,9 @@ struct Limits {
   double max = std::numeric_limits<double>::infinity();
   bool min_exclusive = false;
   bool max_exclusive = false;  ///< [min, max): dropout, betas, label smoothing
+  /// An integer field that also takes the string "auto", read as kAuto (run.threads).
+  bool or_auto = false;
+  static constexpr int64_t kAuto = -1;
   bool contains(double v) const {
     return (min_exclusive ? v > min : v >= min) && (max_exclusive ? v < max : v <= max);
   }
@@ -30,6 +33,11 @@ struct Limits {
 };
 inline Limits any_value() { return {}; }
 inline Limits at_least(double m) { return {m, std::numeric_limits<double>::infinity(), false}; }
+inline Limits at_least_or_auto(double m) {
+  Limits l = at_least(m);
+  l.or_auto = true;
+  return l;
+}
 inline Limits positive() { return {0.0, std::numeric_limits<double>::infinity(), true}; }
 inline Limits between(double a, double b) { return {a, b, false}; }
 /// [a, b): b itself is not allowed.

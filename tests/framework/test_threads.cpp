@@ -1,0 +1,135 @@
+// CPU threads: run.threads = "auto" (the default) times real training steps with 1 thread and
+// with N and keeps the faster; set_threads moves BLAS with LibTorch; a checkpoint keeps the
+// choice.
+#include <dlfcn.h>
+
+#include <string>
+#include <vector>
+
+#include "frugal/config.h"
+#include "frugal/error.h"
+#include "frugal/threads.h"
+#include "learner_fixture.h"
+
+namespace frugal::test {
+namespace {
+
+std::string threads_error(const std::string& text, const std::vector<std::string>& set = {}) {
+  try {
+    parse_config(text, "cfg.toml", set);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no ConfigError";
+}
+
+TEST(ThreadsConfig, AutoIsTheDefaultAndSurvivesTheResolvedConfig) {
+  const Config c = parse_config("", "cfg.toml");
+  EXPECT_EQ(c.run.threads, Limits::kAuto);
+  EXPECT_NE(c.to_toml().find("threads = 'auto'"), std::string::npos) << c.to_toml();
+  EXPECT_EQ(parse_config(c.to_toml(), "resolved.toml").run.threads, Limits::kAuto);
+  EXPECT_EQ(parse_config("[run]\nthreads = 2\n", "cfg.toml").run.threads, 2);
+  EXPECT_EQ(parse_config("[run]\nthreads = 2\n", "cfg.toml", {"run.threads=auto"}).run.threads,
+            Limits::kAuto);
+}
+
+TEST(ThreadsConfig, AWrongValueNamesTheKeyAndWhatIsAllowed) {
+  EXPECT_EQ(threads_error("[run]\nthreads = \"many\"\n"),
+            "cfg.toml:2:11: 'run.threads' must be an integer >= 0 or \"auto\", got string \"many\"");
+  EXPECT_EQ(threads_error("[run]\nthreads = -1\n"),
+            "cfg.toml:2:11: 'run.threads' must be an integer >= 0 or \"auto\", got -1");
+}
+
+TEST(Threads, SetThreadsMovesTheBlasLibraryToo) {
+  using Get = int (*)();
+  auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (get == nullptr) GTEST_SKIP() << "LibTorch's BLAS here is not OpenBLAS";
+  const int before = at::get_num_threads();
+  set_threads(1);
+  EXPECT_EQ(at::get_num_threads(), 1);
+  EXPECT_EQ(get(), 1);
+  set_threads(2);
+  EXPECT_EQ(at::get_num_threads(), 2);
+  EXPECT_EQ(get(), 2);
+  set_threads(before);
+}
+
+// Records the intra-op threads each training forward ran with.
+struct ThreadSpy : Callback {
+  std::vector<int> seen;
+  std::string name() const override { return "thread_spy"; }
+  void before_forward(Learner& l) override {
+    if (l.training()) seen.push_back(at::get_num_threads());
+  }
+};
+
+TinySetup ten_batches() {
+  TinySetup s;
+  s.samples = 160;
+  s.batch_size = 16;
+  return s;
+}
+
+TEST(ThreadTuner, TimesBothCandidatesOnRealStepsThenTrainsOnTheFaster) {
+  auto l = make_tiny_learner(ten_batches());
+  auto tuner = std::make_shared<ThreadTuner>(2);
+  auto spy = std::make_shared<ThreadSpy>();
+  l->add_callback(tuner);
+  l->add_callback(spy);
+  l->fit(1);
+  ASSERT_TRUE(tuner->decided());
+  const ThreadChoice& c = tuner->choice();
+  ASSERT_EQ(spy->seen.size(), 10u);
+  EXPECT_EQ(std::vector<int>(spy->seen.begin(), spy->seen.begin() + ThreadTuner::kSteps),
+            (std::vector<int>{2, 1, 2, 1, 2, 1, 2}));
+  EXPECT_GT(c.one_ms, 0);
+  EXPECT_GT(c.many_ms, 0);
+  EXPECT_EQ(c.chosen, c.many_ms < c.one_ms ? 2 : 1);
+  for (size_t i = ThreadTuner::kSteps; i < spy->seen.size(); ++i) EXPECT_EQ(spy->seen[i], c.chosen);
+  ASSERT_TRUE(last_thread_choice().has_value());
+  EXPECT_EQ(last_thread_choice()->chosen, c.chosen);
+}
+
+// Saves a checkpoint after the n-th training batch and stops the fit: a run killed there.
+struct SaveAtBatch : Callback {
+  SaveAtBatch(std::string path, int n) : path(std::move(path)), n(n) {}
+  std::string name() const override { return "save_at_batch"; }
+  int order() const override { return -2000; }  // last in after_* events
+  void after_batch(Learner& l) override {
+    if (++seen != n) return;
+    l.save_checkpoint(path);
+    l.stop_fit();
+  }
+  std::string path;
+  int n, seen = 0;
+};
+
+TEST(ThreadTuner, AResumedRunKeepsTheChoiceInsteadOfMeasuringAgain) {
+  TempDir dir;
+  const std::string path = (dir.path() / "run.ckpt").string();
+  int64_t chosen = 0;
+  {  // two epochs of 10 batches, stopped after the 12th
+    auto l = make_tiny_learner(ten_batches());
+    auto tuner = std::make_shared<ThreadTuner>(2);
+    l->add_callback(tuner);
+    l->add_callback(std::make_shared<SaveAtBatch>(path, 12));
+    l->fit(2);
+    ASSERT_TRUE(tuner->decided());
+    chosen = tuner->choice().chosen;
+  }
+  set_threads(chosen == 1 ? 2 : 1);  // the process starts over on the other count
+  auto l = make_tiny_learner(ten_batches());
+  auto tuner = std::make_shared<ThreadTuner>(2);
+  auto spy = std::make_shared<ThreadSpy>();
+  l->add_callback(tuner);
+  l->add_callback(spy);
+  l->load_checkpoint(path);
+  l->fit(2);
+  EXPECT_TRUE(tuner->decided());
+  EXPECT_EQ(tuner->choice().chosen, chosen);
+  ASSERT_EQ(spy->seen.size(), 8u) << "the rest of the second epoch";
+  for (int t : spy->seen) EXPECT_EQ(t, chosen);
+}
+
+}  // namespace
+}  // namespace frugal::test
