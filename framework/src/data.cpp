@@ -294,6 +294,43 @@ int64_t DataLoader::num_batches() const {
   return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
 }
 
+namespace {
+// A CPU batch at the native size: gathered and normalized in one pass over the bytes, no
+// intermediate tensors (index_select, a float copy, then two in-place passes cost more than the
+// arithmetic on a small batch). The same float operations in the same order as
+// prepare_images, so the values are the same bits. `order`: the batch's sample indices, or null
+// for samples start.. in order.
+bool gather_on_cpu(const Dataset& data, const int64_t* order, int64_t start, int64_t count,
+                   const torch::Device& device, int64_t image_size, Batch& b) {
+  const torch::Tensor& images = data.images;
+  if (!device.is_cpu() || images.dim() != 4 || images.scalar_type() != torch::kByte ||
+      !images.is_contiguous() || data.labels.scalar_type() != torch::kLong ||
+      !data.labels.is_contiguous())
+    return false;
+  const int64_t c = images.size(1), h = images.size(2), w = images.size(3), per = c * h * w;
+  if (image_size != 0 && (h != image_size || w != image_size)) return false;  // resized: the op path
+  torch::Tensor x = torch::empty({count, c, h, w}, torch::kFloat);
+  torch::Tensor y = torch::empty({count}, torch::kLong);
+  const auto* src = images.data_ptr<uint8_t>();
+  const auto* labels = data.labels.data_ptr<int64_t>();
+  float* dst = x.data_ptr<float>();
+  int64_t* out = y.data_ptr<int64_t>();
+  const auto scale = static_cast<float>(1.0 / (255.0 * data.std));
+  const auto shift = static_cast<float>(data.mean / data.std);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t sample = order ? order[i] : start + i;
+    const uint8_t* from = src + sample * per;
+    float* to = dst + i * per;
+    for (int64_t j = 0; j < per; ++j) to[j] = static_cast<float>(from[j]) * scale - shift;
+    out[i] = labels[sample];
+  }
+  b.x = std::move(x);
+  b.y = std::move(y);
+  return true;
+}
+
+}  // namespace
+
 Batch DataLoader::batch(int64_t i) const {
   if (i < 0 || i >= num_batches())
     throw_usage_error("DataLoader: batch " + std::to_string(i) +
@@ -302,6 +339,9 @@ Batch DataLoader::batch(int64_t i) const {
   const int64_t start = i * batch_size_;
   const int64_t count = std::min(batch_size_, data_.size() - start);
   if (data_.is_text()) return text_batch(start, count);
+  if (Batch b; gather_on_cpu(data_, shuffle_ ? order_.data() + start : nullptr, start, count,
+                              device_, image_size_, b))
+    return b;
   torch::Tensor images, labels;
   if (shuffle_) {
     auto idx = torch::from_blob(const_cast<int64_t*>(order_.data()) + start, {count}, torch::kLong);
@@ -314,7 +354,9 @@ Batch DataLoader::batch(int64_t i) const {
   // Move the compact uint8 images, then convert on the device.
   Batch b;
   b.x = prepare_images(images.to(device_), data_.mean, data_.std, image_size_);
-  b.y = labels.to(device_, /*non_blocking=*/false, /*copy=*/true);
+  // A batch never aliases the dataset (a callback may edit it in place): index_select
+  // already copied; a narrow view is copied here.
+  b.y = shuffle_ ? labels.to(device_) : labels.to(device_, /*non_blocking=*/false, /*copy=*/true);
   return b;
 }
 

@@ -301,7 +301,9 @@ BatchMemory Learner::run_micro_batches() {
       continue;
     }
     if (!backward_ran) break;  // a callback skipped the batch after its forward
-    torch::Tensor weighted = loss_.detach().to(torch::kFloat) * micro_weight_;
+    // A whole batch in one pass: its loss as is (no op, no allocation per step).
+    torch::Tensor weighted = loss_.detach().to(torch::kFloat);
+    if (len != n) weighted = weighted * micro_weight_;
     batch_loss = batch_loss.defined() ? batch_loss + weighted : weighted;
     begin += len;
     ++micro_index_;

@@ -275,6 +275,22 @@ TEST(Loader, ResizesImages) {
   EXPECT_EQ(b.y.scalar_type(), torch::kLong);
 }
 
+TEST(Loader, CpuBatchesAreThePreparedImagesBitwise) {
+  Dataset d = indexed(103);  // labels = sample ids
+  d.mean = 0.2860;
+  d.std = 0.3530;
+  for (bool shuffle : {true, false}) {
+    DataLoader l(d, 10, shuffle, 3);
+    l.set_epoch(1);
+    for (int64_t i : {0, 4, 10}) {  // 10: the last, partial batch
+      const Batch b = l.batch(i);
+      const torch::Tensor want = prepare_images(d.images.index_select(0, b.y), d.mean, d.std, 0);
+      EXPECT_TRUE(torch::equal(b.x, want)) << "batch " << i << (shuffle ? " shuffled" : "");
+      EXPECT_NE(b.y.data_ptr(), d.labels.data_ptr()) << "a batch never aliases the dataset";
+    }
+  }
+}
+
 TEST(Loader, PrepareImagesNormalizes) {
   auto u8 = torch::tensor({0, 51, 255}, torch::kUInt8).reshape({1, 1, 1, 3});
   auto x = prepare_images(u8, 0.2, 0.5, 0);
