@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash third_party/install-deps.sh
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON
 cmake --build build -j "$(nproc)" --target frugal_cli
 # --overwrite: running the quick start again replaces runs/quickstart (a run refuses a folder
 # holding an earlier run's results unless told).

@@ -6,7 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash third_party/install-deps.sh
 jobs=$(nproc)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFRUGAL_BUILD_TESTS=ON
+# Unity batches (8 files per compiler run) instantiate LibTorch's templates once per batch
+# instead of once per file: about half the compile time of a fresh build. Developers who
+# rebuild one file at a time leave it off (the default).
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFRUGAL_BUILD_TESTS=ON -DCMAKE_UNITY_BUILD=ON
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 900
 
