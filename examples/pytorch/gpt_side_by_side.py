@@ -263,7 +263,7 @@ def table(args, cfg, f, p):
         a, b = f[key] / unit, p[key] / unit
         ratio = a / b if b else math.nan
         lines.append(f"| {label} | {a:.{digits}f} | {b:.{digits}f} | {ratio:.2f} |")
-    lines += ["", "Live tensor bytes (peak): frugal, its tracking allocator's peak over the fit "
+    lines += ["", "Live tensor bytes (peak): frugal, its allocator's peak live bytes over the fit "
               "(report.json fit.peak_bytes); PyTorch, the parameters, buffers, gradients, "
               "optimizer state, corpus and batch alive before one step after warm-up plus the "
               "highest running sum of the allocations and frees torch.profiler "
