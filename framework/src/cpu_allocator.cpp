@@ -1,5 +1,6 @@
 #include "cpu_allocator.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -226,10 +227,21 @@ void raise_peaks(int64_t live) {
   }
 }
 
+[[noreturn]] void refuse(int64_t bytes, int64_t live, int64_t budget) {
+  // The message reads like CUDA's caching allocator's, and the type is the one it throws.
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "frugal: out of memory: tried to allocate ",
+                   format_bytes(bytes), "; ", format_bytes(live), " live",
+                   budget > 0 ? " of budget " + format_bytes(budget) + " (run.memory_budget)" : "");
+  std::abort();  // unreachable: TORCH_CHECK_WITH(.., false, ..) throws
+}
+
 // Counts n bytes as live before they are allocated, so the budget check and the count are one
-// step (two threads cannot both pass the check).
-void count_or_refuse(size_t n) {
+// step (two threads cannot both pass the check). Returns the live bytes with them.
+int64_t count_or_refuse(size_t n) {
   auto& c = cpu_counters();
+  // No size near the address space's: the rounding below would wrap (c10 refuses these too).
+  constexpr size_t kMost = static_cast<size_t>(PTRDIFF_MAX) / 2;
+  if (n > kMost) refuse(static_cast<int64_t>(kMost), c.allocated.load(), c.budget.load());
   const auto bytes = static_cast<int64_t>(n);
   int64_t live = c.allocated.load(std::memory_order_relaxed);
   int64_t next = 0;
@@ -237,22 +249,20 @@ void count_or_refuse(size_t n) {
     const int64_t budget = c.budget.load(std::memory_order_relaxed);
     if (budget > 0 && live + bytes > budget) {
       c.refused.fetch_add(1, std::memory_order_relaxed);
-      // The message reads like CUDA's caching allocator's, and the type is the one it throws.
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "frugal: out of memory: tried to allocate ",
-                       format_bytes(bytes), "; ", format_bytes(live), " live of budget ",
-                       format_bytes(budget), " (run.memory_budget)");
+      refuse(bytes, live, budget);
     }
     next = live + bytes;
   } while (!c.allocated.compare_exchange_weak(live, next, std::memory_order_relaxed));
-  c.allocations.fetch_add(1, std::memory_order_relaxed);
-  raise_peaks(next);
+  return next;
 }
 
+// Only pointers this allocator served come here (their DataPtr carries this deleter; raw
+// pointers reach raw_deleter only from raw_allocate after install()).
 void cached_delete(void* data) {
   if (data == nullptr) return;
   const auto n = static_cast<int64_t>(read_header(data)->requested);
+  cpu_counters().allocated.fetch_sub(n, std::memory_order_relaxed);  // first: live, not cached
   cache().free(data);
-  cpu_counters().allocated.fetch_sub(n, std::memory_order_relaxed);
 }
 
 class CachingCpuAllocator final : public c10::Allocator {
@@ -260,7 +270,7 @@ class CachingCpuAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (n == 0) return {nullptr, nullptr, &cached_delete, cpu};
-    count_or_refuse(n);
+    const int64_t live = count_or_refuse(n);
     void* p = nullptr;
     try {
       p = cache().allocate(n);
@@ -268,6 +278,8 @@ class CachingCpuAllocator final : public c10::Allocator {
       cpu_counters().allocated.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed);
       throw;
     }
+    cpu_counters().allocations.fetch_add(1, std::memory_order_relaxed);
+    raise_peaks(live);  // only bytes that exist reach a peak
     return {p, p, &cached_delete, cpu};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &cached_delete; }

@@ -305,7 +305,8 @@ bool gather_on_cpu(const Dataset& data, const int64_t* order, int64_t start, int
   const torch::Tensor& images = data.images;
   if (!device.is_cpu() || images.dim() != 4 || images.scalar_type() != torch::kByte ||
       !images.is_contiguous() || data.labels.scalar_type() != torch::kLong ||
-      !data.labels.is_contiguous())
+      !data.labels.is_contiguous() || data.labels.dim() != 1 ||
+      data.labels.size(0) != images.size(0))
     return false;
   const int64_t c = images.size(1), h = images.size(2), w = images.size(3), per = c * h * w;
   if (image_size != 0 && (h != image_size || w != image_size)) return false;  // resized: the op path

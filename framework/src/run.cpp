@@ -100,14 +100,18 @@ void check_config(const Config& c) {
 namespace {
 // run.threads = "auto" on a CPU with several cores: ThreadTuner times the first steps, which
 // then count as warm-up (left out of the step times). A run too short to measure in keeps
-// LibTorch's default, with BLAS on the same count.
+// LibTorch's default, with BLAS on the same count. Every run has a tuner (an inert one when
+// nothing is tuned), so checkpoints resume across thread settings.
 void add_thread_tuner(const Config& c, Learner& l) {
-  if (c.run.threads != Limits::kAuto) return;
+  int64_t planned = 0;  // training steps the stages ask for (image size changes aside)
+  for (const auto& s : c.stages) planned += s.epochs * l.train_data().num_batches();
+  if (c.run.max_steps > 0) planned = std::min(planned, c.run.max_steps);
   const int64_t cores = available_cores();
-  const bool room = c.run.max_steps == 0 || c.run.max_steps >= 2 * ThreadTuner::kSteps;
-  if (!l.device().is_cpu() || cores <= 1 || !room) return set_threads(at::get_num_threads());
-  l.add_callback(std::make_shared<ThreadTuner>(cores));
-  l.set_warmup_batches(std::max(c.run.warmup, ThreadTuner::kSteps));
+  const bool tune = c.run.threads == Limits::kAuto && l.device().is_cpu() && cores > 1 &&
+                    planned >= 2 * ThreadTuner::kSteps;
+  if (c.run.threads == Limits::kAuto && !tune) set_threads(at::get_num_threads());
+  l.add_callback(std::make_shared<ThreadTuner>(tune ? cores : 0));
+  if (tune) l.set_warmup_batches(std::max(c.run.warmup, ThreadTuner::kSteps));
 }
 }  // namespace
 

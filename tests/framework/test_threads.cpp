@@ -131,5 +131,39 @@ TEST(ThreadTuner, AResumedRunKeepsTheChoiceInsteadOfMeasuringAgain) {
   for (int t : spy->seen) EXPECT_EQ(t, chosen);
 }
 
+TEST(ThreadTuner, ACheckpointOfAnAutoRunResumesWithThreadsSetToANumber) {
+  TempDir dir;
+  const std::string path = (dir.path() / "run.ckpt").string();
+  {
+    auto l = make_tiny_learner(ten_batches());
+    auto tuner = std::make_shared<ThreadTuner>(2);
+    l->add_callback(tuner);
+    l->add_callback(std::make_shared<SaveAtBatch>(path, 12));
+    l->fit(2);
+    ASSERT_TRUE(tuner->decided());
+  }
+  set_threads(2);  // run.threads = 2 this time: an inert tuner, as make_learner adds
+  auto l = make_tiny_learner(ten_batches());
+  auto spy = std::make_shared<ThreadSpy>();
+  l->add_callback(std::make_shared<ThreadTuner>(0));
+  l->add_callback(spy);
+  l->load_checkpoint(path);
+  EXPECT_NO_THROW(l->fit(2));
+  ASSERT_EQ(spy->seen.size(), 8u);
+  for (int t : spy->seen) EXPECT_EQ(t, 2) << "the number set wins over the checkpoint's choice";
+}
+
+TEST(ThreadTuner, AFitTooShortToDecideGoesBackToItsThreads) {
+  set_threads(2);
+  TinySetup s = ten_batches();
+  s.samples = 32;  // 2 batches: a warm-up and one step on 1 thread; nothing timed on 2
+  auto l = make_tiny_learner(s);
+  auto tuner = std::make_shared<ThreadTuner>(2);
+  l->add_callback(tuner);
+  l->fit(1);
+  EXPECT_FALSE(tuner->decided()) << "no step was timed on 2 threads";
+  EXPECT_EQ(at::get_num_threads(), 2) << "batch 1 ran on 1 thread; the fit's end restores 2";
+}
+
 }  // namespace
 }  // namespace frugal::test

@@ -40,11 +40,17 @@ class ThreadTuner : public Callback {
  public:
   /// Steps it takes to decide: one warm-up, then 3 per candidate, alternating.
   static constexpr int64_t kSteps = 7;
-  /// `many` > 1: the candidate besides 1 thread.
+  /// `many` > 1: the candidate besides 1 thread. `many` <= 1: an inert tuner that measures
+  /// nothing and saves nothing, and ignores a checkpoint's choice (run.threads set to a number,
+  /// a GPU, one core, a run too short to measure in): so a checkpoint of an "auto" run resumes
+  /// under any thread setting, and one of a numbered run under "auto".
   explicit ThreadTuner(int64_t many, std::shared_ptr<spdlog::logger> log = nullptr);
   std::string name() const override { return "thread_tuner"; }
   void before_batch(Learner& l) override;
   void after_batch(Learner& l) override;
+  /// A fit that ended before the choice (stopped, or too short) decides from what it measured,
+  /// or goes back to the thread count it started with.
+  void after_fit(Learner& l) override;
   void save_state(torch::serialize::OutputArchive& a) const override;
   void load_state(Learner& l, torch::serialize::InputArchive& a) override;
   bool decided() const { return choice_.chosen > 0; }
@@ -54,7 +60,9 @@ class ThreadTuner : public Callback {
   int64_t threads_for(int64_t step) const;
   void decide();
   static constexpr int rounds_ = (kSteps - 1) / 2;
+  bool inert() const { return many_ <= 1; }
   int64_t many_;
+  int64_t initial_;  // the intra-op threads before tuning
   std::shared_ptr<spdlog::logger> log_;
   int64_t step_ = 0;  // training steps seen while deciding
   std::vector<double> one_, many_ms_;
