@@ -119,12 +119,7 @@ void MemoryMeter::reset_peak() {
   c.peaks[kWindows] = c.allocated.load();
 }
 
-int64_t MemoryMeter::reserved() const {
-#ifdef FRUGAL_WITH_CUDA
-  if (device_.is_cuda()) return compat::cuda_stats(std::max<int>(device_.index(), 0)).reserved;
-#endif
-  return detail::cpu_cache_stats().reserved;
-}
+int64_t MemoryMeter::reserved() const { return allocator_stats().reserved; }
 
 AllocatorStats MemoryMeter::allocator_stats() const {
   AllocatorStats out;

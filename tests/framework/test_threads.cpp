@@ -104,19 +104,22 @@ struct SaveAtBatch : Callback {
   int n, seen = 0;
 };
 
+// An "auto" run of two epochs of 10 batches, killed after its 12th with a checkpoint at `path`
+// (the tuner decided at step 7); returns the thread count it chose.
+int64_t auto_run_checkpointed_at_batch_12(const std::string& path) {
+  auto l = make_tiny_learner(ten_batches());
+  auto tuner = std::make_shared<ThreadTuner>(2);
+  l->add_callback(tuner);
+  l->add_callback(std::make_shared<SaveAtBatch>(path, 12));
+  l->fit(2);
+  EXPECT_TRUE(tuner->decided());
+  return tuner->choice().chosen;
+}
+
 TEST(ThreadTuner, AResumedRunKeepsTheChoiceInsteadOfMeasuringAgain) {
   TempDir dir;
   const std::string path = (dir.path() / "run.ckpt").string();
-  int64_t chosen = 0;
-  {  // two epochs of 10 batches, stopped after the 12th
-    auto l = make_tiny_learner(ten_batches());
-    auto tuner = std::make_shared<ThreadTuner>(2);
-    l->add_callback(tuner);
-    l->add_callback(std::make_shared<SaveAtBatch>(path, 12));
-    l->fit(2);
-    ASSERT_TRUE(tuner->decided());
-    chosen = tuner->choice().chosen;
-  }
+  const int64_t chosen = auto_run_checkpointed_at_batch_12(path);
   set_threads(chosen == 1 ? 2 : 1);  // the process starts over on the other count
   auto l = make_tiny_learner(ten_batches());
   auto tuner = std::make_shared<ThreadTuner>(2);
@@ -134,14 +137,7 @@ TEST(ThreadTuner, AResumedRunKeepsTheChoiceInsteadOfMeasuringAgain) {
 TEST(ThreadTuner, ACheckpointOfAnAutoRunResumesWithThreadsSetToANumber) {
   TempDir dir;
   const std::string path = (dir.path() / "run.ckpt").string();
-  {
-    auto l = make_tiny_learner(ten_batches());
-    auto tuner = std::make_shared<ThreadTuner>(2);
-    l->add_callback(tuner);
-    l->add_callback(std::make_shared<SaveAtBatch>(path, 12));
-    l->fit(2);
-    ASSERT_TRUE(tuner->decided());
-  }
+  auto_run_checkpointed_at_batch_12(path);
   set_threads(2);  // run.threads = 2 this time: an inert tuner, as make_learner adds
   auto l = make_tiny_learner(ten_batches());
   auto spy = std::make_shared<ThreadSpy>();
