@@ -8,6 +8,7 @@ pkgs=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev            # LibTorch 1.13.1, CPU (any LibTorch 2.x also builds: CMAKE_PREFIX_PATH)
   libopenblas0-pthread    # without it Debian's torch falls back to reference BLAS (several times slower)
+  libgloo-dev             # Gloo headers: c10d's ProcessGroupGloo (data-parallel training)
   libboost-dev            # Boost.DLL, header-only (BOOST_DLL_USE_STD_FS)
   libtomlplusplus-dev libspdlog-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev
   gnuplot-nox             # plots in reports; optional at run time

@@ -100,9 +100,11 @@ nlohmann::json all_keys() {
   frugal::LossOptions loss;
   frugal::StageOptions stage;
   frugal::AblationOptions ablation;
+  frugal::DistributedOptions distributed;
   std::vector<std::pair<std::string, frugal::Options*>> sections = {
       {"run", &run}, {"data", &data}, {"model", &model}, {"optimizer", &optimizer},
-      {"loss", &loss}, {"[stages]", &stage}, {"ablation", &ablation}};
+      {"loss", &loss}, {"[stages]", &stage}, {"ablation", &ablation},
+      {"distributed", &distributed}};
   nlohmann::json all = nlohmann::json::object();
   for (auto& [name, o] : sections) all[name] = frugal::describe_options(*o);
   // [optimizer] lists the keys every optimizer takes; each optimizer's own follow.
@@ -143,7 +145,8 @@ int run_keys(bool json) {
     std::cout << all.dump(2) << "\n";
     return 0;
   }
-  for (const char* section : {"run", "data", "model", "optimizer", "loss", "[stages]", "ablation"}) {
+  for (const char* section :
+       {"run", "data", "model", "optimizer", "loss", "[stages]", "ablation", "distributed"}) {
     print_key_table("[" + std::string(section) + "]", all[section]);
     if (std::string(section) != "optimizer") continue;
     for (const auto& [name, o] : all["optimizers"].items()) {
@@ -234,5 +237,6 @@ int main(int argc, char** argv) {
   Args args;
   add_commands(app, args);
   CLI11_PARSE(app, argc, argv);
+  args.train.argv.assign(argv, argv + argc);  // what the ranks of `train --nproc N` run
   return dispatch(args, make_log(args.level), argv[0]);
 }

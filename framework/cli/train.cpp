@@ -2,9 +2,14 @@
 // --resume auto), the fit, a clean stop on SIGTERM/SIGINT/run.preempt_signal, the report.
 #include "train.h"
 
+#include "launch.h"
+
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
+#include "frugal/distributed.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
 #include "frugal/progress.h"
@@ -28,13 +33,10 @@ std::string checkpoint_dir(const Config& cfg) {
   return fs::path(checkpoint_path(cfg.run)).parent_path().string();
 }
 
-/// The config with its plugins; its output folders probed before any work.
-ConfigWithPlugins prepare_train(const TrainArgs& a) {
-  ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
-  const Config& cfg = loaded.config;
+/// The output folders probed before any work.
+void prepare_folders(const Config& cfg) {
   ensure_writable_dir(cfg.run.out_dir);
   ensure_writable_dir(checkpoint_dir(cfg));  // a stop writes a checkpoint, whatever the config
-  return loaded;
 }
 
 /// `--resume auto`: the checkpoint of this config's unfinished run in run.out_dir, or "" when
@@ -140,7 +142,9 @@ int fit(Learner& learner, const Config& cfg, nlohmann::json& extra, spdlog::logg
     // Out of memory in forward or backward leaves the model as before the failed batch: a
     // checkpoint now resumes at that batch. A failed optimizer step may have updated part of
     // the parameters: no checkpoint then.
-    if (e.phase() != OomError::Phase::Step) {
+    // Data parallel: the other ranks are inside a collective this rank will not join; the
+    // launcher stops them, and the last periodic checkpoint stays the run's.
+    if (e.phase() != OomError::Phase::Step && !World::get().distributed()) {
       try {
         CheckpointHistory history(checkpoint_path(cfg.run), cfg.run.keep_checkpoints);
         extra["checkpoint"] = history.write(learner, checkpoint_info(cfg));
@@ -192,18 +196,65 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
                 "start a new run in run.out_dir even though it holds an earlier run's results "
                 "(report, config.toml, checkpoints): those are removed first")
       ->excludes(resume);
+  cmd->add_option("--nproc", a.nproc,
+                  "data parallel on this machine: start N ranks (torchrun's environment, "
+                  "gloo on CPU), each on its shard of every batch")
+      ->check(CLI::Range(1, 1024));
   cmd->footer("Exit codes: 0 done; 1 error; 2 bad config; 75 stopped by SIGTERM, SIGINT or "
               "run.preempt_signal after writing a checkpoint (rerun with --resume auto).");
   return cmd;
 }
 
+namespace {
+
+/// Joins the run's ranks (torchrun's environment; one process without it). Ranks above 0 log
+/// warnings and errors only, prefixed with their rank.
+void join_world(const Config& cfg, const std::shared_ptr<spdlog::logger>& log) {
+  const WorldEnv env = WorldEnv::from_environment();
+  if (!env.distributed()) return;
+  World::get().init(env, cfg.distributed, resolve_device(cfg.run.device));
+  if (env.rank > 0) {
+    for (auto* l : {log.get(), spdlog::default_logger().get()}) {
+      l->set_level(std::max(l->level(), spdlog::level::warn));
+      l->set_pattern("[rank " + std::to_string(env.rank) + "] [%l] %v");
+    }
+  }
+  log->info("data parallel: rank {} of {} ({}), {} samples per rank of each batch of {}",
+            env.rank, env.world_size, World::get().backend(),
+            (cfg.data.batch_size + env.world_size - 1) / env.world_size, cfg.data.batch_size);
+}
+
+}  // namespace
+
 int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
+  if (a.nproc > 0) {
+    if (WorldEnv::from_environment().distributed())
+      throw ConfigError("--nproc " + std::to_string(a.nproc) + ": this process is already rank " +
+                        std::getenv("RANK") + " of a launched run (WORLD_SIZE is set): use "
+                        "torchrun or --nproc, not both");
+    if (a.nproc > 1) {
+      load_config_with_plugins(a.config, a.sets);  // a bad config fails once, before any rank
+      return launch_local(a.nproc, a.argv, *log);
+    }
+  }
   // Everything the config names is validated, and the output folder probed, before any work.
   // `loaded` outlives the learner: what a plugin registered dies before its library.
-  const ConfigWithPlugins loaded = prepare_train(a);
+  const ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
   const Config& cfg = loaded.config;
-  const RunLock lock(cfg.run.out_dir);  // held until the report is written
-  const std::string checkpoint = resume_point(a, loaded, *log);
+  join_world(cfg, log);
+  World& world = World::get();
+  // Rank 0 owns the run folder: it probes it, locks it, decides where the run starts and
+  // publishes that; the other ranks read the same checkpoint.
+  std::optional<RunLock> lock;
+  std::string checkpoint;
+  if (world.is_main()) {
+    prepare_folders(cfg);
+    lock.emplace(cfg.run.out_dir);  // held until the report is written
+    checkpoint = resume_point(a, loaded, *log);
+    world.store_set("frugal/checkpoint", checkpoint);
+  } else {
+    checkpoint = world.store_get("frugal/checkpoint");
+  }
   StopRequest::install(stop_signals(cfg.run.preempt_signal));
 
   auto learner = make_learner(cfg, &StopRequest::process());
@@ -218,9 +269,14 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
 
   nlohmann::json extra = {{"plugins", loaded.host->loaded()}};
   if (!checkpoint.empty()) extra["resumed_from"] = checkpoint;
+  if (world.distributed())
+    extra["distributed"] = {{"world_size", world.size()}, {"backend", world.backend()},
+                            {"batch_per_rank", (cfg.data.batch_size + world.size() - 1) / world.size()},
+                            {"bucket_bytes", cfg.distributed.bucket_size.bytes}};
   int rc = fit(*learner, cfg, extra, *log);
   const StopCallback* stop = find_stop(*learner);
   if (rc == 0 && stop && stop->stopped()) rc = note_interruption(*stop, a, extra, *log);
+  if (!world.is_main()) return rc;  // rank 0 reports for the run
   auto report = make_report(*learner, cfg, extra);
   write_report(cfg.run.out_dir, report, cfg);
   std::cout << report_markdown(report) << std::flush;

@@ -15,6 +15,8 @@ struct TrainArgs {
   std::vector<std::string> sets;
   std::string resume;  ///< "", "auto", or a run folder or checkpoint file
   bool overwrite = false;
+  int nproc = 0;                  ///< --nproc N: start N local ranks (0 = this process alone)
+  std::vector<std::string> argv;  ///< the command line, for the ranks --nproc starts
 };
 
 /// Adds `train` with its arguments and options.

@@ -172,9 +172,14 @@ bool read_callback_state(InputArchive& a, const std::string& name, InputArchive&
 
 bool read_loss_sum(InputArchive& a, torch::Tensor& sum) { return a.try_read("loss_sum", sum); }
 
-std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device) {
+void write_rank_rng(OutputArchive& a, int rank, const torch::Tensor& cpu_state) {
+  a.write("rng.rank" + std::to_string(rank) + ".cpu", cpu_state.to(torch::kCPU));
+}
+
+std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, int rank) {
   RngState s;
-  if (!a.try_read("rng.cpu", s.cpu)) return std::nullopt;
+  const std::string key = rank > 0 ? "rng.rank" + std::to_string(rank) + ".cpu" : "rng.cpu";
+  if (!a.try_read(key, s.cpu)) return std::nullopt;
   s.cpu = s.cpu.to(torch::kCPU);
 #ifdef FRUGAL_WITH_CUDA
   torch::Tensor cuda;

@@ -10,6 +10,7 @@
 //   callbacks.<name> save_checkpoint only: each callback's save_state
 //   loss_sum         save_checkpoint mid-epoch: the epoch's running loss
 //   rng.cpu, rng.cuda  save_checkpoint only: the default generators' state
+//   rng.rank<r>.cpu  data parallel: rank r's CPU generator (rank 0's is rng.cpu)
 // Every way a file can be unreadable, foreign or of another model is a CheckpointError naming it.
 #include <optional>
 #include <string>
@@ -35,6 +36,8 @@ void write_header(OutputArchive& a);
 void write_model(OutputArchive& a, const torch::nn::Module& model);
 void write_optimizer(OutputArchive& a, const torch::optim::Optimizer& opt, const std::string& name);
 void write_rng(OutputArchive& a, const RngState& rng);
+/// Data parallel: rank r's (r >= 1) CPU generator state, gathered by rank 0.
+void write_rank_rng(OutputArchive& a, int rank, const torch::Tensor& cpu_state);
 /// A callback's save_state, under "callbacks.<name>".
 void write_callback_state(OutputArchive& a, const std::string& name, OutputArchive& state);
 /// The epoch's running loss (saved mid-epoch only).
@@ -59,7 +62,8 @@ bool read_callback_state(InputArchive& a, const std::string& name, InputArchive&
 /// The running loss into `sum`; false when none was saved.
 bool read_loss_sum(InputArchive& a, torch::Tensor& sum);
 /// The generators' state save_checkpoint stored (nullopt: none); CUDA's when `device` is CUDA.
-std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device);
+/// Rank r >= 1 of a data-parallel run reads its own CPU generator (rng.rank<r>.cpu).
+std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, int rank = 0);
 
 // ---- the resume record ----
 /// Where a saved fit stands and what it had measured.

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/learner.h"
 
@@ -35,8 +36,15 @@ std::string CheckpointHistory::write(Learner& l, const nlohmann::json& info) {
   const fs::path last(last_path_);
   const std::string file =
       keep_ == 1 ? last_path_ : (last.parent_path() / numbered_checkpoint_name(l.steps())).string();
-  if (last.has_parent_path()) fs::create_directories(last.parent_path());
+  // Data parallel: every rank takes part in the save (rank 0 gathers their generators and
+  // writes); only rank 0 touches the folder.
+  const bool main = World::get().is_main();
+  if (main && last.has_parent_path()) fs::create_directories(last.parent_path());
   l.save_checkpoint(file, info);
+  if (!main) {
+    written_at_ = l.iteration();
+    return file;
+  }
   if (keep_ > 1) link_last(file);
   prune(file);
   written_at_ = l.iteration();

@@ -306,8 +306,8 @@ void apply_override(toml::table& root, const std::string& assignment) {
 
 // ---- The top level. ----
 
-const std::vector<std::string> kSections = {"run",    "data",    "model",   "optimizer",
-                                            "loss",   "stages",  "plugins", "ablation"};
+const std::vector<std::string> kSections = {"run",    "data",    "model",   "optimizer",  "loss",
+                                            "stages", "plugins", "ablation", "distributed"};
 
 void read_section(const toml::table& root, const char* name, Options& o,
                   const std::string& source) {
@@ -421,6 +421,7 @@ Config parse_config(const std::string& text, const std::string& source,
   read_section(root, "optimizer", c.optimizer, source);
   read_section(root, "loss", c.loss, source);
   read_stages(root, c);
+  read_section(root, "distributed", c.distributed, source);
   c.plugins = take_plugins(root, source);
   read_ablation(root, c);
   return c;
@@ -447,6 +448,7 @@ std::string Config::to_toml() const {
   toml::array stage_tables;
   for (auto& s : c.stages) stage_tables.push_back(detail::write_fields(s));
   root.insert_or_assign("stages", std::move(stage_tables));
+  root.insert_or_assign("distributed", detail::write_fields(c.distributed));
   if (!plugins.empty()) root.insert_or_assign("plugins", plugins);
   if (has_ablation) root.insert_or_assign("ablation", detail::write_fields(c.ablation));
   // The shortest floats (0.9, not 0.90000000000000002) when every value reads back exactly.
@@ -475,6 +477,7 @@ std::vector<std::string> Config::keys_outside_training() const {
   add(c.optimizer, "optimizer");
   add(c.loss, "loss");
   for (size_t i = 0; i < c.stages.size(); ++i) add(c.stages[i], "stages." + std::to_string(i));
+  add(c.distributed, "distributed");
   if (has_ablation) add(c.ablation, "ablation");
   return out;
 }

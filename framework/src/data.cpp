@@ -291,7 +291,25 @@ void DataLoader::set_epoch(int64_t epoch) {
 
 int64_t DataLoader::num_batches() const {
   const int64_t n = data_.size();
-  return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+  if (drop_last_) return n / batch_size_;
+  const int64_t full = n / batch_size_, rest = n % batch_size_;
+  // Sharded: a last batch smaller than the world would leave some rank without a sample.
+  return full + (rest > 0 && rest >= shard_world_ ? 1 : 0);
+}
+
+void DataLoader::set_shard(int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw_usage_error("DataLoader::set_shard: rank " + std::to_string(rank) + " of " +
+                      std::to_string(world));
+  if (batch_size_ < world)
+    throw_config_error("data.batch_size = " + std::to_string(batch_size_) + " is smaller than the " +
+                       std::to_string(world) + " ranks: every rank needs a sample of each batch");
+  shard_rank_ = rank;
+  shard_world_ = world;
+}
+
+int64_t DataLoader::batch_samples(int64_t i) const {
+  return std::max<int64_t>(0, std::min(batch_size_, data_.size() - i * batch_size_));
 }
 
 namespace {
@@ -337,8 +355,21 @@ Batch DataLoader::batch(int64_t i) const {
     throw_usage_error("DataLoader: batch " + std::to_string(i) +
                       " is out of range; this epoch has " + std::to_string(num_batches()) +
                       " batches");
-  const int64_t start = i * batch_size_;
-  const int64_t count = std::min(batch_size_, data_.size() - start);
+  int64_t start = i * batch_size_;
+  int64_t count = std::min(batch_size_, data_.size() - start);
+  const int64_t total = count;
+  if (shard_world_ > 1) {  // this rank's rows of the batch
+    const int64_t lo = count * shard_rank_ / shard_world_;
+    const int64_t hi = count * (shard_rank_ + 1) / shard_world_;
+    start += lo;
+    count = hi - lo;
+  }
+  Batch b = batch_rows(start, count);
+  if (shard_world_ > 1) b.total = total;
+  return b;
+}
+
+Batch DataLoader::batch_rows(int64_t start, int64_t count) const {
   if (data_.is_text()) return text_batch(start, count);
   if (Batch b; gather_on_cpu(data_, shuffle_ ? order_.data() + start : nullptr, start, count,
                               device_, image_size_, b))

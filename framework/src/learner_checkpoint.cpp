@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "archive.h"
+#include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/learner.h"
 #include "guard.h"
@@ -75,7 +76,30 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
   r.valid_sums = valid_sums_;
   r.stats = stats_.stages();
   r.info = info;
+  World& world = World::get();
+  const RngState rng = RngState::capture(device_);
+  std::vector<torch::Tensor> rank_rngs;  // data parallel: every rank's CPU generator
+  if (world.distributed()) {
+    if (!r.info.is_object()) r.info = nlohmann::json::object();
+    r.info["world_size"] = world.size();
+    rank_rngs = world.all_gather(rng.cpu.to(world.device()));
+  }
+  if (!world.is_main()) {  // rank 0 writes; the others learn whether it did
+    if (world.any(false)) throw CheckpointError("rank 0 could not write checkpoint '" + path + "'");
+    return;
+  }
+  try {
+    write_checkpoint_file(path, r, rng, rank_rngs);
+  } catch (...) {
+    world.any(true);
+    throw;
+  }
+  world.any(false);  // after the rename: every rank knows the file is there
+}
 
+void Learner::write_checkpoint_file(const std::string& path, const archive::ResumeRecord& r,
+                                    const RngState& rng,
+                                    const std::vector<torch::Tensor>& rank_rngs) {
   archive::OutputArchive a;
   archive::write_header(a);
   archive::write_resume(a, r);
@@ -87,7 +111,9 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     archive::write_callback_state(a, c->name(), state);
   }
   if (training_ && loss_sum_.defined()) archive::write_loss_sum(a, loss_sum_);
-  archive::write_rng(a, RngState::capture(device_));
+  archive::write_rng(a, rng);
+  for (size_t k = 1; k < rank_rngs.size(); ++k)
+    archive::write_rank_rng(a, static_cast<int>(k), rank_rngs[k]);
   archive::write_file(a, path);
 }
 
@@ -103,6 +129,17 @@ nlohmann::json Learner::load_checkpoint(const std::string& path) {
   r->path = path;
   archive::open(path, device_, r->archive);
   r->record = archive::read_resume(r->archive, path);
+  const World& world = World::get();
+  const nlohmann::json& saved_info = r->record.info;
+  const int64_t saved_world =
+      saved_info.is_object() ? saved_info.value("world_size", int64_t{1}) : int64_t{1};
+  if (saved_world != world.size())
+    throw CheckpointError("checkpoint '" + path + "' was written by a run of " +
+                          std::to_string(saved_world) + " process(es); this run has " +
+                          std::to_string(world.size()) + ": resume it with as many (frugal "
+                          "train --nproc " + std::to_string(saved_world) +
+                          ", or torchrun --nproc_per_node=" + std::to_string(saved_world) +
+                          "): each rank's data shard and random generator depend on it");
   archive::load_model(*model_, r->archive, path);
   nlohmann::json info = r->record.info;
   resume_ = std::move(r);
@@ -202,7 +239,7 @@ void Learner::restore_loop_state(PendingResume& r) {
   stop_epoch_ = p.stop_epoch;
   capped_ = !p.stop_fit && !p.done && max_steps_ > 0 && iteration_ >= max_steps_;
   stop_fit_ = p.stop_fit || p.done || capped_;
-  if (auto rng = archive::read_rng(r.archive, device_)) rng->restore();
+  if (auto rng = archive::read_rng(r.archive, device_, World::get().rank())) rng->restore();
 }
 
 }  // namespace frugal

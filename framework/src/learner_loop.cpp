@@ -5,6 +5,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/learner.h"
 #include "frugal/rng.h"
@@ -388,7 +389,7 @@ void Learner::recover_from_oom(const OomEvent& e) {
 void Learner::complete_batch(const Batch& b, double seconds) {
   StageStats& st = stats_.stage();
   st.step_seconds.push_back(seconds);
-  st.samples += b.size();
+  st.samples += b.total_size();  // data parallel: the step's samples on every rank
   next_.batch = batch_index_ + 1;
   next_.iteration = iteration_ + 1;
   next_.steps = steps_;
@@ -405,6 +406,7 @@ double Learner::validate() {
   phase_window_.reset();
   fire(Event::BeforeValidate);
   valid_sums_ = score(*valid_, [this](const torch::Tensor& x) { return forward(x); }, device_);
+  reduce_across_ranks(valid_sums_);  // data parallel: each rank scored its shard
   fire(Event::AfterValidate);
   note_phase_peak(Phase::Validate, phase_window_.peak());
   if (was_training) model_->train();
@@ -464,6 +466,9 @@ int64_t Learner::find_micro_batch() {
   }
   state.restore(*model_);
   training_ = was_training;
+  // Data parallel: every rank runs the size that fits on all of them (a rank that fits none
+  // fails them all: its error says so, the others' collectives end at the timeout or launcher).
+  found.size = World::get().min(found.size);
   if (found.size == 0) throw oom_in_probe(budget, memory().current(), needs.state, iteration_);
   micro_.set_cap(found.size < start ? found.size : 0);
   spdlog::info("micro_batch = auto: {} of {} samples fit run.memory_budget = {} ({} probes)",

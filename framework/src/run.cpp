@@ -8,6 +8,8 @@
 #include <spdlog/spdlog.h>
 
 #include "frugal/checkpoint_writer.h"
+#include "frugal/data_parallel.h"
+#include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/model_export.h"
 #include "frugal/registry.h"
@@ -107,9 +109,15 @@ void add_thread_tuner(const Config& c, Learner& l) {
   for (const auto& s : c.stages) planned += s.epochs * l.train_data().num_batches();
   if (c.run.max_steps > 0) planned = std::min(planned, c.run.max_steps);
   const int64_t cores = available_cores();
+  const World& world = World::get();
+  // Data parallel on CPU: the machine's cores shared out between its ranks, nothing timed (a
+  // rank's timing would race its neighbours').
   const bool tune = c.run.threads == Limits::kAuto && l.device().is_cpu() && cores > 1 &&
-                    planned >= 2 * ThreadTuner::kSteps;
-  if (c.run.threads == Limits::kAuto && !tune) set_threads(at::get_num_threads());
+                    planned >= 2 * ThreadTuner::kSteps && !world.distributed();
+  if (c.run.threads == Limits::kAuto && world.distributed() && l.device().is_cpu())
+    set_threads(std::max<int64_t>(1, cores / world.local_size()));
+  else if (c.run.threads == Limits::kAuto && !tune)
+    set_threads(at::get_num_threads());
   l.add_callback(std::make_shared<ThreadTuner>(tune ? cores : 0));
   if (tune) l.set_warmup_batches(std::max(c.run.warmup, ThreadTuner::kSteps));
 }
@@ -130,6 +138,12 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   LossFn loss = make_loss(c.loss);
   DataLoader train_loader(std::move(train), c.data.batch_size, c.data.shuffle,
                           static_cast<uint64_t>(c.run.seed), device);
+  const World& world = World::get();
+  if (world.distributed()) {  // each rank its shard of every batch; data.batch_size is global
+    named(c, "data.batch_size", [&] { train_loader.set_shard(world.rank(), world.size()); });
+    if (valid)
+      named(c, "data.valid_batch_size", [&] { valid->set_shard(world.rank(), world.size()); });
+  }
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   learner->set_max_batches(c.run.max_steps);
@@ -145,11 +159,15 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   if (stop)
     learner->add_callback(std::make_shared<StopCallback>(*stop, history, checkpoint_info(c),
                                                          spdlog::default_logger()));
-  learner->add_callback(std::make_shared<ModelExport>(
-      model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
+  if (world.distributed())
+    learner->add_callback(std::make_shared<DataParallel>(c.distributed.bucket_size.bytes));
+  if (world.is_main())  // rank 0 writes the run's files
+    learner->add_callback(std::make_shared<ModelExport>(
+        model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
   learner->set_warmup_batches(c.run.warmup);
   add_thread_tuner(c, *learner);
-  if (!c.run.trace.empty()) learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
+  if (!c.run.trace.empty() && world.is_main())
+    learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
   OomPolicy oom;
   oom.budget = c.run.memory_budget.bytes;
   oom.retry = c.run.on_oom == "retry";

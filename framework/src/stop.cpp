@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "frugal/checkpoint_writer.h"
+#include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/learner.h"
 
@@ -99,8 +100,10 @@ void StopCallback::before_fit(Learner&) {
 }
 
 void StopCallback::after_batch(Learner& l) {
-  // Data-parallel: this test becomes one all-reduce (MAX) of requested() across ranks.
-  if (stopped_ || !request_.requested() || !no_pending_gradients(l)) return;
+  if (stopped_ || !no_pending_gradients(l)) return;
+  // Data parallel: a signal reaches the ranks at different batches; all stop at the first
+  // batch after any saw it (one all-reduce of a flag per batch).
+  if (!World::get().any(request_.requested())) return;
   at_ = l.position();
   // The CheckpointWriter (which runs before this in after_batch) may have written this very
   // position already.

@@ -41,6 +41,8 @@ class ForwardNext {
 ///   kPrecision           lower-precision forward and loss scaling (sees which batches step)
 ///   kInnermostForward    replaces the model's forward with its own (checkpointing)
 ///   -- late --
+///   kGradientSync        data parallel: after_* before the precision and batch-grouping
+///                        callbacks, so they see gradients averaged across ranks
 ///   kOutputRelease       first in after_*: swaps loss and prediction for detached tensors
 ///   kProgress            logs, after every callback in before_*, first in after_*
 namespace order {
@@ -54,6 +56,7 @@ inline constexpr int kDefault = 0;
 inline constexpr int kBatchGrouping = 10;
 inline constexpr int kPrecision = 50;
 inline constexpr int kInnermostForward = 100;
+inline constexpr int kGradientSync = 500;
 inline constexpr int kOutputRelease = 1000;
 inline constexpr int kProgress = 1100;
 }  // namespace order

@@ -8,6 +8,7 @@
 
 #include <toml++/toml.h>
 
+#include "frugal/distributed.h"
 #include "frugal/options.h"
 
 namespace frugal {
@@ -166,6 +167,7 @@ struct Config {
   OptimizerOptions optimizer;
   LossOptions loss;
   std::vector<StageOptions> stages;  ///< at least one
+  DistributedOptions distributed;    ///< how ranks talk in a data-parallel run
   /// [plugins]: `path` and one [plugins.<name>] table per plugin; validated by the plugin
   /// loader against each plugin's declared options.
   toml::table plugins;

@@ -74,6 +74,9 @@ struct Batch {
                     ///< loader's device
   torch::Tensor y;  ///< int64 [B], or int64 [B, T]: the tokens that follow each of x's
   int64_t size() const { return y.size(0); }
+  /// Data parallel: the samples of the whole batch, every rank's shard together (0 = size()).
+  int64_t total = 0;
+  int64_t total_size() const { return total > 0 ? total : size(); }
 };
 
 /// Yields batches of a Dataset. The order of epoch e is a permutation drawn from seed + e
@@ -97,8 +100,19 @@ class DataLoader {
   void set_device(torch::Device d) { device_ = d; }
 
   int64_t num_batches() const;
-  /// The i-th batch of the current epoch.
+  /// The i-th batch of the current epoch (this rank's shard of it, when sharded).
   Batch batch(int64_t i) const;
+
+  /// Data parallel (DistributedSampler's semantics on batches): every rank follows the same
+  /// seeded order; rank r of `world` takes rows [n*r/world, n*(r+1)/world) of each batch of n
+  /// samples, so data.batch_size stays the batch of a step across ranks, shards differ by at
+  /// most one sample, and no sample is repeated. A last batch with fewer samples than ranks is
+  /// dropped (every rank runs the same number of batches, none of them empty).
+  void set_shard(int rank, int world);
+  int shard_rank() const { return shard_rank_; }
+  int shard_world() const { return shard_world_; }
+  /// Samples in batch i across every rank.
+  int64_t batch_samples(int64_t i) const;
 
   const Dataset& dataset() const { return data_; }
   int64_t batch_size() const { return batch_size_; }
@@ -115,8 +129,10 @@ class DataLoader {
   int64_t image_size_ = 0;
   int64_t seq_len_ = 0;
   std::vector<int64_t> order_;  ///< sample indices, or a text epoch's window starts
+  int shard_rank_ = 0, shard_world_ = 1;
 
   Batch text_batch(int64_t start, int64_t count) const;
+  Batch batch_rows(int64_t start, int64_t count) const;
 };
 
 /// Normalizes uint8 images and resizes them to size x size (bilinear; 0 keeps the size).

@@ -23,6 +23,11 @@
 
 namespace frugal {
 
+namespace archive {
+struct ResumeRecord;
+}
+struct RngState;
+
 using Stage = StageOptions;
 
 class Learner {
@@ -280,6 +285,8 @@ class Learner {
   int64_t apply_resume();
   void load_callback_states(PendingResume& r);
   void restore_loop_state(PendingResume& r);
+  void write_checkpoint_file(const std::string& path, const archive::ResumeRecord& r,
+                             const RngState& rng, const std::vector<torch::Tensor>& rank_rngs);
 
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;

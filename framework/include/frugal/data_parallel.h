@@ -1,0 +1,51 @@
+#pragma once
+/// Data parallelism as a callback: every rank holds the whole model and trains on its shard of
+/// each batch (DataLoader::set_shard); this callback keeps the ranks' models equal. make_learner
+/// adds it when World is distributed; C++ users add it themselves after World::init.
+///
+///   before_fit      rank 0's parameters and buffers to every rank (bucketed broadcasts)
+///   before_batch    the shard's loss weight: world x shard samples / batch samples (1 when
+///                   the batch splits evenly), so an uneven last batch still averages per sample
+///   after_backward  on the step's last micro-batch, unless the step is skipped: gradients
+///                   all-reduced in buckets of distributed.bucket_size (reverse parameter order,
+///                   as DDP), launched together, then divided by the world size. Runs before
+///                   amp's unscale (kGradientSync > kPrecision in after_* order), so every rank
+///                   sees the same non-finite gradients and skips the same steps.
+///   after_train     rank 0's buffers (BatchNorm running statistics) to every rank, before
+///                   validation and before an epoch's checkpoint
+///
+/// A parameter that trains but got no gradient on a rank (unused in its forward) contributes
+/// zeros: after the sync every rank holds the same, defined gradient.
+#include <cstdint>
+
+#include "frugal/callback.h"
+
+namespace frugal {
+
+class DataParallel : public Callback {
+ public:
+  explicit DataParallel(int64_t bucket_bytes = 25 << 20) : bucket_bytes_(bucket_bytes) {}
+  std::string name() const override { return "data_parallel"; }
+  int order() const override { return order::kGradientSync; }
+
+  void before_fit(Learner& l) override;
+  void before_batch(Learner& l) override;
+  void after_backward(Learner& l) override;
+  void after_train(Learner& l) override;
+
+  /// Gradient all-reduces (steps synchronised) and the bytes they carried, in this fit.
+  int64_t syncs() const { return syncs_; }
+  int64_t bytes_reduced() const { return bytes_; }
+  int64_t buckets() const { return buckets_; }
+
+ private:
+  int64_t bucket_bytes_;
+  int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0;
+};
+
+/// Every gradient of `params` (those that train) summed across ranks and divided by the world
+/// size, in buckets of `bucket_bytes` all launched before the first is awaited. Returns the
+/// number of buckets.
+int64_t average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes);
+
+}  // namespace frugal
