@@ -292,7 +292,11 @@ BatchMemory Learner::run_micro_batches() {
     loss_ = torch::Tensor();
     OomError::Phase phase = OomError::Phase::Forward;
     bool backward_ran = false;
-    if (auto oom = catch_oom([&] { backward_ran = forward_backward(mem, phase); })) {
+    std::optional<std::string> oom = catch_oom([&] { backward_ran = forward_backward(mem, phase); });
+    agree_on_oom(oom, phase);
+    // after_backward (where data parallel all-reduces) only once every rank's backward is done.
+    if (!oom && backward_ran) oom = catch_oom([&] { finish_backward(); });
+    if (oom) {
       recover_from_oom({phase, batch_index_, iteration_, mbs, n, ++failures, grads_at_start,
                         memory().budget(), *oom});
       if (phase == OomError::Phase::Backward) {  // the batch's gradients were dropped
@@ -339,10 +343,27 @@ bool Learner::forward_backward(BatchMemory& mem, OomError::Phase& phase) {
   phase_window_.reset();
   fire(Event::BeforeBackward);
   phase = OomError::Phase::Backward;  // from here gradients may hold part of this micro-batch
+  // (finish_backward fires after_backward once the ranks agree no one ran out of memory)
   backward();
+  return true;
+}
+
+void Learner::finish_backward() {
   fire(Event::AfterBackward);
   note_phase_peak(Phase::Backward, phase_window_.peak());
-  return true;
+}
+
+// Data parallel with run.on_oom = "retry": after each micro-batch the ranks learn whether any
+// of them ran out of memory (one all-reduce of a flag). If one did, every rank retries: the
+// others already hold this micro-batch in their gradients, so all of them drop the batch's
+// gradients and restart it at half the micro-batch (as after a failed backward), and the next
+// collective finds every rank at the same place.
+void Learner::agree_on_oom(std::optional<std::string>& oom, OomError::Phase& phase) {
+  World& world = World::get();
+  if (!world.distributed() || !oom_.retry) return;
+  if (!world.any(oom.has_value())) return;
+  if (!oom) oom = "another rank ran out of memory in this micro-batch";
+  phase = OomError::Phase::Backward;
 }
 
 void Learner::run_step() {

@@ -39,49 +39,6 @@ std::string stoppable_config(const std::string& out_dir, const std::string& extr
          "[[stages]]\nname = \"second\"\nepochs = 2\n";
 }
 
-/// A `frugal train` child whose output goes to `log`. Everything is prepared before fork: the
-/// child of a threaded process only calls async-signal-safe functions (no malloc) before exec.
-pid_t start_train(const std::vector<std::string>& args, const std::string& log) {
-  fs::remove(log);  // an earlier run's marker must not count
-  const std::string cli = cli_path();
-  std::vector<char*> argv = {const_cast<char*>(cli.c_str())};
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid != 0) return pid;
-  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  ::dup2(fd, 1);
-  ::dup2(fd, 2);
-  ::execv(cli.c_str(), argv.data());
-  ::_exit(127);
-}
-
-/// Waits (at most 120 s) until `log` contains `marker` or the child exits; false if it exited.
-bool wait_for_marker(pid_t pid, const std::string& log, const std::string& marker, int& status) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (read_text(log).find(marker) != std::string::npos) return true;
-    if (::waitpid(pid, &status, WNOHANG) == pid) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return false;
-}
-
-/// Exit status of the child, killed after 120 s if it has not ended by then.
-int wait_child(pid_t pid) {
-  int status = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (::waitpid(pid, &status, WNOHANG) != pid) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return status;
-}
-
 /// Starts a run of `config`, sends `sig` once it has logged batch 5, and returns its status.
 int interrupt_run(const std::string& config, const std::string& log, int sig,
                   const std::vector<std::string>& more = {}) {
