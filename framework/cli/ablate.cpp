@@ -492,6 +492,8 @@ CLI::App* add_ablate_command(CLI::App& app, AblateArgs& a) {
   c->add_option("--out", a.out, "folder for the results (default runs/ablation)");
   c->add_option("--repeats", a.repeats, "runs of each combination (default: ablation.repeats)")
       ->check(CLI::PositiveNumber);
+  c->add_option("--nproc", a.nproc, "run every combination on N data-parallel ranks")
+      ->check(CLI::Range(1, 1024));
   c->add_option("--steps", a.steps, "training batches per run (default: ablation.steps)")
       ->check(CLI::PositiveNumber);
   c->add_option("--set", a.sets, "override a key in every run, e.g. --set data.batch_size=64");
@@ -557,7 +559,7 @@ std::vector<std::vector<ChildResult>> run_all(const AblateArgs& a, const Ablatio
           "run.warmup=" + std::to_string(p.warmup), "run.trace=" + quoted(trace)};
       ++done;
       log.info("[{}/{}] {} ({}) ...", done, total, r.name, join_on(r.on, ", "));
-      ChildResult res = run_train_child(exe, a.config, a.sets, p.t, r, dir.string(), keys);
+      ChildResult res = run_train_child(exe, a.config, a.sets, p.t, r, dir.string(), keys, a.nproc);
       if (res.exit_code == 0 && res.report.is_object()) {
         const json& fit = res.report["fit"];
         log.info("[{}/{}] {}: peak {}, step {:.1f} ms, {:.1f} s", done, total, r.name,

@@ -183,7 +183,7 @@ int spawn_wait(const std::string& exe, const std::vector<std::string>& args,
 ChildResult run_train_child(const std::string& exe, const std::string& config,
                             const std::vector<std::string>& sets, const TechniqueSet& t,
                             const ChildRun& r, const std::string& dir,
-                            const std::vector<std::string>& run_keys) {
+                            const std::vector<std::string>& run_keys, int nproc) {
   ChildResult out;
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -191,6 +191,7 @@ ChildResult run_train_child(const std::string& exe, const std::string& config,
   fs::remove(report, ec);  // never read a stale report
   // The run's folder is the ablation's own: a rerun of the ablation replaces it.
   std::vector<std::string> args = {"train", config, "--overwrite"};
+  if (nproc > 1) args.insert(args.end(), {"--nproc", std::to_string(nproc)});
   auto add = [&](const std::string& s) {
     args.push_back("--set");
     args.push_back(s);

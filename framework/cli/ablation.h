@@ -62,7 +62,7 @@ int spawn_wait(const std::string& exe, const std::vector<std::string>& args,
 ChildResult run_train_child(const std::string& exe, const std::string& config,
                             const std::vector<std::string>& sets, const TechniqueSet& t,
                             const ChildRun& r, const std::string& dir,
-                            const std::vector<std::string>& run_keys);
+                            const std::vector<std::string>& run_keys, int nproc = 0);
 
 /// "amp+checkpoint", or "none".
 std::string join_on(const std::vector<std::string>& on, const char* sep = "+");
@@ -78,6 +78,7 @@ struct AblateArgs {
   std::string config, out = "runs/ablation";
   int64_t repeats = 0, steps = 0;  ///< 0 = from [ablation]
   std::vector<std::string> sets;
+  int nproc = 0;  ///< each run on N data-parallel ranks (`frugal train --nproc N`)
 };
 CLI::App* add_ablate_command(CLI::App& app, AblateArgs& a);
 int run_ablate(const AblateArgs& a, spdlog::logger& log, const char* argv0);
@@ -87,6 +88,7 @@ struct PlanArgs {
   int64_t steps = 6;
   bool check_all = false;
   std::vector<std::string> sets;
+  int nproc = 0;  ///< each run on N data-parallel ranks (`frugal train --nproc N`)
 };
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& a);
 int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0);

@@ -75,6 +75,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   c->add_option("config", a.config, "the run's TOML file; [ablation] names the techniques")->required();
   c->add_option("--budget", a.budget, "peak live memory allowed, e.g. 2GiB, 512MiB")->required();
   c->add_option("--out", a.out, "folder for plan.json, plan.md and the runs (default runs/plan)");
+  c->add_option("--nproc", a.nproc, "measure every run on N data-parallel ranks (peaks per rank)")
+      ->check(CLI::Range(1, 1024));
   c->add_option("--steps", a.steps, "training batches per measured run (default 6)")
       ->check(CLI::Range(2, 1000000));
   c->add_flag("--check-all", a.check_all,
@@ -152,7 +154,8 @@ Measured measure_all(const PlanArgs& a, const PlanInputs& in, const std::string&
       const ChildRun& r = in.measure[i + k];
       log.info("[{}/{}] {} ...", i + k + 1, in.measure.size(), r.name);
       ChildResult res = run_train_child(exe, a.config, a.sets, in.t, r,
-                                        (fs::path(a.out) / "measure" / r.name).string(), in.keys);
+                                        (fs::path(a.out) / "measure" / r.name).string(), in.keys,
+                                        a.nproc);
       if (res.exit_code != 0 || !res.report.is_object())
         throw Error("measured run '" + r.name + "' failed (exit " + std::to_string(res.exit_code) +
                     "): " + res.error + "; the planner needs the baseline and each technique "
@@ -244,7 +247,8 @@ void verify(const PlanArgs& a, const PlanInputs& in, const std::string& exe,
     log.info("[verify {}/{}] {} (predicted peak {}) ...", ++k, chosen.size(), name_of(c->on),
              format_bytes(static_cast<int64_t>(c->peak)));
     ChildResult res = run_train_child(exe, a.config, a.sets, in.t, r,
-                                      (fs::path(a.out) / "verify" / name_of(c->on)).string(), in.keys);
+                                      (fs::path(a.out) / "verify" / name_of(c->on)).string(), in.keys,
+                                      a.nproc);
     if (res.exit_code != 0 || !res.report.is_object()) {
       log.warn("run {} failed: {}", name_of(c->on), res.error);
       continue;

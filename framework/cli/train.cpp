@@ -9,6 +9,7 @@
 #include <iostream>
 #include <optional>
 
+#include "frugal/data_parallel.h"
 #include "frugal/distributed.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
@@ -218,10 +219,46 @@ void join_world(const Config& cfg, const std::shared_ptr<spdlog::logger>& log) {
       l->set_level(std::max(l->level(), spdlog::level::warn));
       l->set_pattern("[rank " + std::to_string(env.rank) + "] [%l] %v");
     }
+  } else {
+    log->set_pattern("%^[%H:%M:%S %l]%$ [rank 0] %v");
   }
+  // Every rank trains rank 0's config: the resolved configs are compared at the rendezvous
+  // (ranks started by hand or by a launcher with different files or --set options).
+  World& world = World::get();
+  if (world.is_main()) world.store_set("frugal/config", cfg.to_toml());
+  const bool differs = !world.is_main() && world.store_get("frugal/config") != cfg.to_toml();
+  const int64_t first = world.min(differs ? env.rank : env.world_size);
+  if (first < env.world_size)
+    throw ConfigError("rank " + std::to_string(first) + " was started with another config than "
+                      "rank 0 (their resolved configs differ): start every rank with the same "
+                      "file and --set options");
   log->info("data parallel: rank {} of {} ({}), {} samples per rank of each batch of {}",
             env.rank, env.world_size, World::get().backend(),
             (cfg.data.batch_size + env.world_size - 1) / env.world_size, cfg.data.batch_size);
+}
+
+/// Data parallel: each rank's peak and median step time, and what the gradient sync carried,
+/// for rank 0's report. A collective: every rank calls it after its fit.
+nlohmann::json rank_summary(Learner& learner) {
+  const nlohmann::json fit = learner.report();
+  const double peak = fit.value("peak_bytes", 0.0);
+  const double step = fit.contains("step_seconds") ? fit["step_seconds"].value("median", 0.0) : 0.0;
+  const auto all = World::get().all_gather(torch::tensor({peak, step}, torch::kDouble));
+  nlohmann::json ranks = nlohmann::json::array();
+  for (size_t r = 0; r < all.size(); ++r) {
+    const auto v = all[r].cpu();
+    ranks.push_back({{"rank", r},
+                     {"peak_bytes", static_cast<int64_t>(v[0].item<double>())},
+                     {"step_seconds_median", v[1].item<double>()}});
+  }
+  nlohmann::json out = {{"ranks", ranks}};
+  for (const auto& c : learner.callbacks())
+    if (const auto* dp = dynamic_cast<const DataParallel*>(c.get()); dp && dp->syncs() > 0) {
+      out["gradient_syncs"] = dp->syncs();
+      out["allreduce_bytes_per_step"] = dp->bytes_reduced() / dp->syncs();
+      out["buckets_per_step"] = static_cast<double>(dp->buckets()) / static_cast<double>(dp->syncs());
+    }
+  return out;
 }
 
 }  // namespace
@@ -276,6 +313,8 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   int rc = fit(*learner, cfg, extra, *log);
   const StopCallback* stop = find_stop(*learner);
   if (rc == 0 && stop && stop->stopped()) rc = note_interruption(*stop, a, extra, *log);
+  if (world.distributed() && (rc == 0 || rc == kExitInterrupted))
+    extra["distributed"].update(rank_summary(*learner));
   if (!world.is_main()) return rc;  // rank 0 reports for the run
   auto report = make_report(*learner, cfg, extra);
   write_report(cfg.run.out_dir, report, cfg);

@@ -11,17 +11,25 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
-#if defined(FRUGAL_WITH_CUDA) && defined(USE_C10D_NCCL)
+// NCCL: a CUDA build whose LibTorch ships it (its header compiles only with nccl.h and the
+// define). Not exercised here: no GPU was available to this project.
+#if defined(FRUGAL_WITH_CUDA) && __has_include(<nccl.h>)
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL 1
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#define FRUGAL_WITH_NCCL 1
 #endif
 
 #include "frugal/error.h"
 #include "frugal/task.h"
+#include "guard.h"
 
 namespace frugal {
 
@@ -123,7 +131,11 @@ void Pending::wait() {
   try {
     impl->work->wait();
   } catch (const c10::Error& e) {
-    throw Error("collective failed: " + std::string(e.what_without_backtrace()));
+    throw Error("collective failed: another rank left the run or stopped answering: " +
+                first_line(e.what_without_backtrace()));
+  } catch (const std::runtime_error& e) {
+    throw Error("collective failed: another rank left the run or stopped answering: " +
+                first_line(e.what()));
   }
 }
 
@@ -169,12 +181,21 @@ c10d::ReduceOp to_c10d(Reduce op) {
   return c10d::ReduceOp::SUM;
 }
 
+// A collective's error, said as what it means to a user: a rank is gone or stuck.
 template <class F>
 auto guarded(const char* what, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const c10::Error& e) {
-    throw Error(std::string(what) + " failed: " + e.what_without_backtrace());
+    throw Error(std::string(what) + " failed: another rank left the run or stopped answering " +
+                "(a crash, a kill, or distributed.timeout passed; the launcher's log names the " +
+                "rank): " + first_line(e.what_without_backtrace()));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // Gloo's own errors (gloo::IoException)
+    throw Error(std::string(what) + " failed: another rank left the run or stopped answering " +
+                "(a crash, a kill, or distributed.timeout passed; the launcher's log names the " +
+                "rank): " + first_line(e.what()));
   }
 }
 
@@ -207,6 +228,7 @@ void World::init(const WorldEnv& env, const DistributedOptions& o, const torch::
                 ": no rendezvous at " + where + " (MASTER_ADDR:MASTER_PORT) within " +
                 std::to_string(o.timeout) + " s: " + e.what());
   }
+  rendezvous(env, where, o.timeout);
   if (backend == "gloo") {
     auto opts = c10d::ProcessGroupGloo::Options::create(impl_->timeout);
     opts->devices.push_back(gloo_device(env.master_addr));
@@ -215,7 +237,7 @@ void World::init(const WorldEnv& env, const DistributedOptions& o, const torch::
       return c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, env.rank, env.world_size, opts);
     });
   } else {
-#if defined(FRUGAL_WITH_CUDA) && defined(USE_C10D_NCCL)
+#ifdef FRUGAL_WITH_NCCL
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = impl_->timeout;
     impl_->group = guarded("the NCCL process group", [&] {
@@ -229,6 +251,31 @@ void World::init(const WorldEnv& env, const DistributedOptions& o, const torch::
   backend_ = backend;
   device_ = backend == "nccl" ? device : torch::Device(torch::kCPU);
   spdlog::debug("rank {} of {} joined at {} ({})", env.rank, env.world_size, where, backend);
+}
+
+// Every rank checks in at the store; each waits until all have, or names the missing ones.
+void World::rendezvous(const WorldEnv& env, const std::string& where, int64_t timeout_s) {
+  auto& store = *impl_->store;
+  guarded("the rendezvous", [&] {
+    store.set("frugal/arrived/" + std::to_string(env.rank), std::vector<uint8_t>{1});
+    store.add("frugal/arrived", 1);
+  });
+  const auto deadline = std::chrono::steady_clock::now() + impl_->timeout;
+  while (guarded("the rendezvous", [&] { return store.add("frugal/arrived", 0); }) < env.world_size) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string missing;
+      int n = 0;
+      for (int r = 0; r < env.world_size; ++r) {
+        if (store.check({"frugal/arrived/" + std::to_string(r)})) continue;
+        if (n++ < 8) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      throw Error("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                  ": no rendezvous at " + where + " within distributed.timeout = " +
+                  std::to_string(timeout_s) + " s: rank(s) " + missing + (n > 8 ? ", ..." : "") +
+                  " never arrived (not started, or started with another MASTER_ADDR:MASTER_PORT)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 void World::shutdown() {

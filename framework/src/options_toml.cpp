@@ -135,6 +135,9 @@ class Reader : public FieldVisitor {
     const char* wanted = "must be a size such as \"512MiB\" or \"2GiB\", or an integer of bytes";
     if (const auto* i = n->as_integer()) {
       if (i->get() < 0) fail(key, *n, std::string(wanted) + " >= 0, got " + show(*n));
+      // The limit the text form has (the resolved config writes "<n>B", which must read back).
+      if (static_cast<double>(i->get()) >= 9.2e18)
+        fail(key, *n, "is too large: " + show(*n) + " is more than 8 EiB");
       v.bytes = i->get();
       return;
     }

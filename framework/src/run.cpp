@@ -127,7 +127,11 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   check_config(c);
   if (c.run.threads > 0) set_threads(c.run.threads);
   torch::manual_seed(static_cast<uint64_t>(c.run.seed));
-  const torch::Device device = resolve_device(c.run.device);
+  torch::Device device = resolve_device(c.run.device);
+  // Data parallel on CUDA: each rank of a machine on its own GPU.
+  if (World::get().distributed() && device.is_cuda())
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
+                                             World::get().local_rank() % torch::cuda::device_count()));
   MemoryMeter::get().set_device(device);
 
   Dataset train = make_dataset(c.data, true);

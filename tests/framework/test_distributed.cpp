@@ -1,11 +1,16 @@
 // Data parallel: batches sharded across ranks, and `frugal train --nproc 2` (two processes on
 // loopback, Gloo) against one process on the same global batches; stops, resumes and failures
 // of a rank. Every multi-process run ends on its own (the launcher's and the tests' deadlines).
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -280,6 +285,102 @@ TEST(DataParallelCli, ARankThatDiesEndsTheWholeRun) {
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGKILL) << log;
   EXPECT_NE(log.find("rank 1 ended with exit code 137: stopping the other ranks"), std::string::npos) << log;
   EXPECT_NE(::kill(ranks[0], 0), 0) << "rank 0 is gone too";
+}
+
+/// A port nothing listens on now.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+/// `frugal train` as rank `rank` of `world`, started by hand (as a launcher would).
+pid_t start_rank(int rank, int world, int port, const std::vector<std::string>& args,
+                 const std::string& log) {
+  const ScopedEnv env{{"RANK", std::to_string(rank).c_str()},
+                      {"WORLD_SIZE", std::to_string(world).c_str()},
+                      {"MASTER_ADDR", "127.0.0.1"},
+                      {"MASTER_PORT", std::to_string(port).c_str()}};
+  return start_train(args, log);
+}
+
+TEST(DataParallelFaults, RanksStartedWithDifferentConfigsAreRefusedBeforeTraining) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), dp_config(dir.file("run")));
+  const int port = free_port();
+  const pid_t r0 = start_rank(0, 2, port, {"train", dir.file("run.toml")}, dir.file("log0"));
+  const pid_t r1 = start_rank(1, 2, port, {"train", dir.file("run.toml"), "--set", "optimizer.lr=0.5"},
+                              dir.file("log1"));
+  const int s0 = wait_child(r0), s1 = wait_child(r1);
+  const std::string log0 = read_text(dir.file("log0")), log1 = read_text(dir.file("log1"));
+  ASSERT_TRUE(WIFEXITED(s0) && WIFEXITED(s1)) << log0 << log1;
+  EXPECT_EQ(WEXITSTATUS(s0), 2) << log0;
+  EXPECT_EQ(WEXITSTATUS(s1), 2) << log1;
+  EXPECT_NE(log0.find("rank 1 was started with another config than rank 0"), std::string::npos) << log0;
+  EXPECT_FALSE(fs::exists(dir.file("run") + "/report.json")) << "refused before training";
+}
+
+TEST(DataParallelFaults, ARankThatNeverArrivesEndsTheRendezvousAtTheTimeout) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 2\n"));
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t r0 = start_rank(0, 2, free_port(), {"train", dir.file("run.toml")}, dir.file("log"));
+  const int s = wait_child(r0);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string log = read_text(dir.file("log"));
+  ASSERT_TRUE(WIFEXITED(s)) << log;
+  EXPECT_EQ(WEXITSTATUS(s), 1) << log;
+  EXPECT_NE(log.find("rank 0 of 2: no rendezvous at 127.0.0.1:"), std::string::npos) << log;
+  EXPECT_NE(log.find("rank(s) 1 never arrived"), std::string::npos) << log;
+  EXPECT_LT(seconds, 60) << log;
+}
+
+TEST(DataParallelFaults, APortInUseIsAClearError) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 2\n"));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::listen(fd, 1);
+  const int port = ntohs(a.sin_port);
+  const pid_t r0 = start_rank(0, 2, port, {"train", dir.file("run.toml")}, dir.file("log"));
+  const int s = wait_child(r0);
+  ::close(fd);
+  const std::string log = read_text(dir.file("log"));
+  ASSERT_TRUE(WIFEXITED(s)) << log;
+  EXPECT_EQ(WEXITSTATUS(s), 1) << log;
+  EXPECT_NE(log.find("no rendezvous at 127.0.0.1:" + std::to_string(port)), std::string::npos) << log;
+  EXPECT_NE(log.find("Address already in use"), std::string::npos) << log;
+}
+
+TEST(DataParallelFaults, WithoutTheLauncherARankKilledMidRunEndsTheOther) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 20\n", 20000));
+  const int port = free_port();
+  const pid_t r0 = start_rank(0, 2, port, {"train", dir.file("run.toml")}, dir.file("log0"));
+  const pid_t r1 = start_rank(1, 2, port, {"train", dir.file("run.toml")}, dir.file("log1"));
+  int status = 0;
+  ASSERT_TRUE(wait_for_marker(r0, dir.file("log0"), "batch 3/", status)) << read_text(dir.file("log0"));
+  ::kill(r1, SIGKILL);
+  wait_child(r1);
+  const auto t0 = std::chrono::steady_clock::now();
+  status = wait_child(r0);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string log = read_text(dir.file("log0"));
+  ASSERT_TRUE(WIFEXITED(status)) << log;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << log;
+  EXPECT_NE(log.find("failed"), std::string::npos) << log;
+  EXPECT_LT(seconds, 40) << "within distributed.timeout (20 s), never a hang: " << log;
 }
 
 TEST(DataParallelCli, NprocInsideALaunchedRankIsRefused) {

@@ -107,6 +107,7 @@ class World {
 
  private:
   World();
+  void rendezvous(const WorldEnv& env, const std::string& where, int64_t timeout_s);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   WorldEnv env_;

@@ -1,0 +1,32 @@
+# Run by ctest (a TEST_INCLUDE_FILES script, see tests/CMakeLists.txt): one test per gtest test
+# suite of FRUGAL_TEST_BINARY, `--gtest_filter=Suite.*`, listed from the binary at ctest time.
+# A LibTorch process needs about a second to start (twice that under ASan): 90 suites start
+# 90 processes where 316 tests started 316. Suites named in FRUGAL_ISOLATED_SUITES keep one
+# process per test (their tests need a fresh process).
+#
+# Inputs: FRUGAL_TEST_BINARY, FRUGAL_TEST_TIMEOUT, FRUGAL_ISOLATED_SUITES (a ;-list).
+if(NOT EXISTS "${FRUGAL_TEST_BINARY}")
+  add_test(frugal_tests_NOT_BUILT "${FRUGAL_TEST_BINARY}")
+  return()
+endif()
+execute_process(COMMAND "${FRUGAL_TEST_BINARY}" --gtest_list_tests
+                OUTPUT_VARIABLE listing RESULT_VARIABLE rc TIMEOUT 120)
+if(NOT rc EQUAL 0)
+  add_test(frugal_tests_LIST_FAILED "${FRUGAL_TEST_BINARY}" --gtest_list_tests)
+  return()
+endif()
+string(REPLACE "\n" ";" lines "${listing}")
+set(suite "")
+foreach(line IN LISTS lines)
+  if(line MATCHES "^([A-Za-z0-9_/]+)\\.")
+    set(suite "${CMAKE_MATCH_1}")
+    if(NOT suite IN_LIST FRUGAL_ISOLATED_SUITES)
+      add_test("${suite}" "${FRUGAL_TEST_BINARY}" "--gtest_filter=${suite}.*")
+      set_tests_properties("${suite}" PROPERTIES TIMEOUT ${FRUGAL_TEST_TIMEOUT})
+    endif()
+  elseif(line MATCHES "^  ([A-Za-z0-9_/]+)" AND suite IN_LIST FRUGAL_ISOLATED_SUITES)
+    set(name "${suite}.${CMAKE_MATCH_1}")
+    add_test("${name}" "${FRUGAL_TEST_BINARY}" "--gtest_filter=${name}")
+    set_tests_properties("${name}" PROPERTIES TIMEOUT ${FRUGAL_TEST_TIMEOUT})
+  endif()
+endforeach()
