@@ -9,9 +9,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include "frugal/error.h"
@@ -66,92 +68,129 @@ std::vector<std::string> worker_args(const std::vector<std::string>& argv) {
   return out;
 }
 
-int launch_local(int nproc, const std::vector<std::string>& argv, spdlog::logger& log) {
-  if (nproc < 1) throw ConfigError("--nproc must be >= 1, got " + std::to_string(nproc));
-  const char* port_env = std::getenv("MASTER_PORT");
-  const int port = port_env && *port_env ? std::atoi(port_env) : free_port();
-  const std::vector<std::string> args = worker_args(argv);
-  log.info("--nproc {}: starting {} ranks on 127.0.0.1:{}", nproc, nproc, port);
+namespace {
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  const int forwarded[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-  struct sigaction old[4];
-  for (int i = 0; i < 4; ++i) sigaction(forwarded[i], &sa, &old[i]);
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 
+/// This process's environment with torchrun's variables for `rank`, built before fork: the
+/// child of a threaded process calls only async-signal-safe functions before exec.
+std::vector<std::string> rank_environment(int rank, int nproc, int port) {
+  static const std::set<std::string> ours = {"RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                             "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv(*e);
+    if (!ours.count(kv.substr(0, kv.find('=')))) env.push_back(kv);
+  }
+  for (const auto& [k, v] : {std::pair<const char*, std::string>{"RANK", std::to_string(rank)},
+                             {"LOCAL_RANK", std::to_string(rank)},
+                             {"WORLD_SIZE", std::to_string(nproc)},
+                             {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+                             {"MASTER_ADDR", "127.0.0.1"},
+                             {"MASTER_PORT", std::to_string(port)}})
+    env.push_back(std::string(k) + "=" + v);
+  return env;
+}
+
+std::vector<char*> pointers(std::vector<std::string>& v) {
+  std::vector<char*> out;
+  for (auto& s : v) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+/// Forks the ranks; the forwarded signals' old handlers are restored in each child.
+std::vector<pid_t> start_ranks(int nproc, int port, std::vector<std::string> args,
+                               const struct sigaction (&old)[4]) {
+  std::vector<char*> argv = pointers(args);
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
+    std::vector<std::string> env = rank_environment(r, nproc, port);
+    std::vector<char*> envp = pointers(env);
     const pid_t pid = ::fork();
     if (pid < 0) {
       for (pid_t p : pids) ::kill(p, SIGKILL);
       throw Error(std::string("--nproc: fork failed: ") + std::strerror(errno));
     }
-    if (pid == 0) {
-      // The child: torchrun's variables, then this very program without --nproc.
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      for (int i = 0; i < 4; ++i) sigaction(forwarded[i], &old[i], nullptr);
-      std::vector<char*> cargv;
-      for (const auto& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
-      cargv.push_back(nullptr);
-      ::execv("/proc/self/exe", cargv.data());
-      std::fprintf(stderr, "--nproc: cannot start rank %d: %s\n", r, std::strerror(errno));
+    if (pid == 0) {  // this very program, without --nproc
+      for (int i = 0; i < 4; ++i) sigaction(kForwarded[i], &old[i], nullptr);
+      ::execve("/proc/self/exe", argv.data(), envp.data());
       ::_exit(127);
     }
     pids.push_back(pid);
   }
+  return pids;
+}
 
-  // Wait for all; pass signals on; when one rank fails, stop the others (their next
-  // collective would wait for it until the timeout).
+/// Waits for every rank; passes signals on; when one fails, stops the others (their next
+/// collective would wait for it until the timeout). Returns the first failure's exit code.
+int wait_ranks(const std::vector<pid_t>& pids, spdlog::logger& log) {
   int rc = 0, failed_rank = -1;
   size_t running = pids.size();
   std::vector<bool> done(pids.size(), false);
   auto deadline = std::chrono::steady_clock::time_point::max();
+  auto signal_running = [&](int sig) {
+    for (size_t j = 0; j < pids.size(); ++j)
+      if (!done[j]) ::kill(pids[j], sig);
+  };
   while (running > 0) {
-    if (g_forward) {
-      const int sig = g_forward;
+    if (const int sig = g_forward) {
       g_forward = 0;
-      for (size_t i = 0; i < pids.size(); ++i)
-        if (!done[i]) ::kill(pids[i], sig);
+      signal_running(sig);
     }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      for (size_t i = 0; i < pids.size(); ++i) {
-        if (pids[i] != pid || done[i]) continue;
-        done[i] = true;
-        --running;
-        const int code = exit_code(status);
-        // 75: a clean stop; the others got the same signal and stop at the same batch.
-        if (code == kExitInterrupted && rc == 0) rc = code;
-        if (code != 0 && code != kExitInterrupted && (rc == 0 || rc == kExitInterrupted)) {
-          rc = code;
-          failed_rank = static_cast<int>(i);
-          if (running > 0) {
-            log.error("rank {} ended with exit code {}: stopping the other ranks", i, code);
-            for (size_t j = 0; j < pids.size(); ++j)
-              if (!done[j]) ::kill(pids[j], SIGTERM);
-            deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-          }
+    const auto it = std::find(pids.begin(), pids.end(), pid);
+    if (pid > 0 && it != pids.end() && !done[static_cast<size_t>(it - pids.begin())]) {
+      const auto i = static_cast<size_t>(it - pids.begin());
+      done[i] = true;
+      --running;
+      const int code = exit_code(status);
+      // 75: a clean stop; the others got the same signal and stop at the same batch.
+      if (code == kExitInterrupted && rc == 0) rc = code;
+      if (code != 0 && code != kExitInterrupted && failed_rank < 0) {
+        rc = code;
+        failed_rank = static_cast<int>(i);
+        if (running > 0) {
+          log.error("rank {} ended with exit code {}: stopping the other ranks", i, code);
+          signal_running(SIGTERM);
+          deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
         }
       }
       continue;
     }
     if (pid < 0 && errno != EINTR && errno != ECHILD) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      for (size_t j = 0; j < pids.size(); ++j)
-        if (!done[j]) ::kill(pids[j], SIGKILL);
+      signal_running(SIGKILL);
       deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  for (int i = 0; i < 4; ++i) sigaction(forwarded[i], &old[i], nullptr);
-  if (failed_rank >= 0) log.error("--nproc {}: rank {} failed first (exit code {})", nproc, failed_rank, rc);
+  if (failed_rank >= 0)
+    log.error("--nproc {}: rank {} failed first (exit code {})", pids.size(), failed_rank, rc);
+  return rc;
+}
+
+}  // namespace
+
+int launch_local(int nproc, const std::vector<std::string>& argv, spdlog::logger& log) {
+  if (nproc < 1) throw ConfigError("--nproc must be >= 1, got " + std::to_string(nproc));
+  const char* port_env = std::getenv("MASTER_PORT");
+  const int port = port_env && *port_env ? std::atoi(port_env) : free_port();
+  log.info("--nproc {}: starting {} ranks on 127.0.0.1:{}", nproc, nproc, port);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction old[4];
+  for (int i = 0; i < 4; ++i) sigaction(kForwarded[i], &sa, &old[i]);
+  int rc = 1;
+  try {
+    rc = wait_ranks(start_ranks(nproc, port, worker_args(argv), old), log);
+  } catch (...) {
+    for (int i = 0; i < 4; ++i) sigaction(kForwarded[i], &old[i], nullptr);
+    throw;
+  }
+  for (int i = 0; i < 4; ++i) sigaction(kForwarded[i], &old[i], nullptr);
   return rc;
 }
 

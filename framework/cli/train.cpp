@@ -263,35 +263,47 @@ nlohmann::json rank_summary(Learner& learner) {
 
 }  // namespace
 
+namespace {
+
+/// `--nproc N`: the ranks started here (their exit code), or nullopt to train in this process.
+std::optional<int> launch_if_asked(const TrainArgs& a, spdlog::logger& log) {
+  if (a.nproc <= 0) return std::nullopt;
+  if (WorldEnv::from_environment().distributed())
+    throw ConfigError("--nproc " + std::to_string(a.nproc) + ": this process is already rank " +
+                      std::getenv("RANK") + " of a launched run (WORLD_SIZE is set): use "
+                      "torchrun or --nproc, not both");
+  if (a.nproc == 1) return std::nullopt;
+  load_config_with_plugins(a.config, a.sets);  // a bad config fails once, before any rank
+  return launch_local(a.nproc, a.argv, log);
+}
+
+/// Rank 0 owns the run folder: it probes it, locks it (`lock`, held until the report is
+/// written), decides where the run starts and publishes that; the other ranks read the same
+/// checkpoint. Returns it ("" for a fresh run).
+std::string claim_run_folder(const TrainArgs& a, const ConfigWithPlugins& loaded,
+                             spdlog::logger& log, std::optional<RunLock>& lock) {
+  World& world = World::get();
+  if (!world.is_main()) return world.store_get("frugal/checkpoint");
+  const Config& cfg = loaded.config;
+  prepare_folders(cfg);
+  lock.emplace(cfg.run.out_dir);
+  const std::string checkpoint = resume_point(a, loaded, log);
+  world.store_set("frugal/checkpoint", checkpoint);
+  return checkpoint;
+}
+
+}  // namespace
+
 int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
-  if (a.nproc > 0) {
-    if (WorldEnv::from_environment().distributed())
-      throw ConfigError("--nproc " + std::to_string(a.nproc) + ": this process is already rank " +
-                        std::getenv("RANK") + " of a launched run (WORLD_SIZE is set): use "
-                        "torchrun or --nproc, not both");
-    if (a.nproc > 1) {
-      load_config_with_plugins(a.config, a.sets);  // a bad config fails once, before any rank
-      return launch_local(a.nproc, a.argv, *log);
-    }
-  }
+  if (auto rc = launch_if_asked(a, *log)) return *rc;
   // Everything the config names is validated, and the output folder probed, before any work.
   // `loaded` outlives the learner: what a plugin registered dies before its library.
   const ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
   const Config& cfg = loaded.config;
   join_world(cfg, log);
-  World& world = World::get();
-  // Rank 0 owns the run folder: it probes it, locks it, decides where the run starts and
-  // publishes that; the other ranks read the same checkpoint.
+  const World& world = World::get();
   std::optional<RunLock> lock;
-  std::string checkpoint;
-  if (world.is_main()) {
-    prepare_folders(cfg);
-    lock.emplace(cfg.run.out_dir);  // held until the report is written
-    checkpoint = resume_point(a, loaded, *log);
-    world.store_set("frugal/checkpoint", checkpoint);
-  } else {
-    checkpoint = world.store_get("frugal/checkpoint");
-  }
+  const std::string checkpoint = claim_run_folder(a, loaded, *log, lock);
   StopRequest::install(stop_signals(cfg.run.preempt_signal));
 
   auto learner = make_learner(cfg, &StopRequest::process());
