@@ -1,10 +1,12 @@
 #include "archive.h"
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
 #include "frugal/error.h"
 #include "frugal/report.h"
+#include "file_seal.h"
 #include "guard.h"
 
 namespace frugal::archive {
@@ -35,6 +37,43 @@ void check_shapes(torch::nn::Module& m, InputArchive& a, const std::string& pref
       throw error(path, "does not fit this model: it has no module '" + prefix + c.key() + "'");
     check_shapes(*c.value(), sub, prefix + c.key() + ".", path);
   }
+}
+
+// The name of the tensor in `a` (recursively, dotted) whose storage holds exactly `bytes`.
+std::string tensor_holding(InputArchive& a, const std::string& prefix,
+                           const std::vector<unsigned char>& bytes) {
+  for (const auto& key : a.keys()) {
+    torch::Tensor t;
+    if (a.try_read(key, t) || a.try_read(key, t, /*is_buffer=*/true)) {
+      const torch::Tensor c = t.cpu();
+      const auto& s = c.storage();
+      if (s.nbytes() == bytes.size() && std::memcmp(s.data(), bytes.data(), bytes.size()) == 0)
+        return prefix + key;
+      continue;
+    }
+    InputArchive sub;
+    if (a.try_read(key, sub))
+      if (auto found = tensor_holding(sub, prefix + key + ".", bytes); !found.empty()) return found;
+  }
+  return "";
+}
+
+// " (tensor 'model.stem.0.weight')": which tensors the changed records belong to, found by
+// loading the damaged archive (LibTorch does not check the CRCs) and matching their bytes.
+std::string changed_tensors(const std::string& path, const std::vector<seal::ChangedRecord>& records) {
+  if (records.empty()) return "";
+  std::string names;
+  try {
+    InputArchive a;
+    a.load_from(path, torch::kCPU);
+    for (const auto& r : records) {
+      if (r.bytes.empty()) continue;
+      const std::string name = tensor_holding(a, "", r.bytes);
+      if (!name.empty()) names += (names.empty() ? "" : ", ") + ("'" + name + "'");
+    }
+  } catch (const std::exception&) {  // too damaged to load: the records are named already
+  }
+  return names.empty() ? "" : " (the tensor(s) " + names + ")";
 }
 
 // JSON has no NaN (a diverged loss): it is stored as null.
@@ -106,7 +145,10 @@ void write_file(OutputArchive& a, const std::string& path) {
   const std::filesystem::path target(path);
   try {
     if (target.has_parent_path()) std::filesystem::create_directories(target.parent_path());
-    write_file_atomic(path, [&](const std::string& tmp) { a.save_to(tmp); });
+    write_file_atomic(path, [&](const std::string& tmp) {
+      a.save_to(tmp);
+      seal::seal_zip(tmp);  // the CRC32 open() checks, before the rename
+    });
   } catch (const c10::Error& e) {
     throw CheckpointError("cannot write checkpoint '" + path + "': " + first_line(e.what_without_backtrace()));
   } catch (const std::filesystem::filesystem_error& e) {
@@ -122,6 +164,11 @@ void open(const std::string& path, const torch::Device& device, InputArchive& a)
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw error(path, "does not exist");
   if (!std::filesystem::is_regular_file(path, ec)) throw error(path, "is not a file");
+  try {
+    seal::verify_zip(path);  // a flipped bit is refused before LibTorch reads a number
+  } catch (const seal::SealError& e) {
+    throw CheckpointError(e.what() + changed_tensors(path, e.records()) + seal::kDamageAdvice);
+  }
   try {
     a.load_from(path, device);
   } catch (const c10::Error& e) {

@@ -11,7 +11,9 @@
 //   loss_sum         save_checkpoint mid-epoch: the epoch's running loss
 //   rng.cpu, rng.cuda  save_checkpoint only: the default generators' state
 //   rng.rank<r>.cpu  data parallel: rank r's CPU generator (rank 0's is rng.cpu)
-// Every way a file can be unreadable, foreign or of another model is a CheckpointError naming it.
+// The zip's comment holds a CRC32 of every byte before it (file_seal.h), checked by open().
+// Every way a file can be unreadable, foreign, damaged or of another model is a CheckpointError
+// naming it.
 #include <optional>
 #include <string>
 #include <vector>

@@ -250,7 +250,7 @@ TEST(Hostile, CorruptCheckpointsGiveCheckpointErrorsNamingTheFile) {
   };
   std::vector<Case> cases = {
       {"empty.ckpt", "", "unreadable"},
-      {"magic.ckpt", "XXXX" + bytes.substr(4), "unreadable"},
+      {"magic.ckpt", "XXXX" + bytes.substr(4), "is damaged: CRC32"},
       {"text.ckpt", "this is not a checkpoint\n", "unreadable"},
   };
   std::mt19937_64 rng(5);
@@ -295,6 +295,51 @@ TEST(Hostile, CorruptCheckpointsGiveCheckpointErrorsNamingTheFile) {
   const auto msg = checkpoint_error_of([&] { l->load_checkpoint(dir.path().string()); });
   EXPECT_NE(msg.find("is not a file"), std::string::npos) << msg;
   l->load_checkpoint(good);  // and the good one still loads
+}
+
+/// Flips `trials` single bits at random offsets of the file `good` (a sealed archive) and
+/// expects `load` to refuse every one with a CheckpointError naming the file.
+void expect_every_flip_refused(const std::string& good, const std::string& flipped, int64_t trials,
+                               uint64_t seed, const std::function<void(const std::string&)>& load) {
+  const std::string bytes = read_bytes(good);
+  ASSERT_GT(bytes.size(), 64u);
+  std::mt19937_64 rng(seed);
+  int64_t in_tensors = 0;
+  for (int64_t t = 0; t < trials; ++t) {
+    std::string b = bytes;
+    const size_t at = static_cast<size_t>(rng() % b.size());
+    const int bit = static_cast<int>(rng() % 8);
+    b[at] = static_cast<char>(b[at] ^ (1 << bit));
+    write_bytes(flipped, b);
+    const std::string msg = checkpoint_error_of([&] { load(flipped); });
+    EXPECT_EQ(msg.find("not a CheckpointError"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(flipped), std::string::npos)
+        << "byte " << at << " of " << b.size() << ", bit " << bit << ": " << msg;
+    if (msg.find("(the tensor(s) '") != std::string::npos) ++in_tensors;
+  }
+  // Most of the file is tensor bytes: the error names the changed record.
+  EXPECT_GT(in_tensors, 0) << "no flip was traced to a tensor's record";
+}
+
+TEST(Hostile, EveryFlippedBitOfACheckpointOrSavedModelIsRefused) {
+  TempDir dir;
+  const std::string ckpt = dir.file("good.ckpt"), model = dir.file("model.pt");
+  {
+    auto a = make_tiny_learner();
+    a->fit(1);
+    a->save_checkpoint(ckpt);
+    a->save(model, /*with_opt=*/false);
+  }
+  auto l = make_tiny_learner();
+  const auto before = clone_params(*l->model());
+  expect_every_flip_refused(ckpt, dir.file("flipped.ckpt"), iterations(100), 11,
+                            [&](const std::string& p) { l->load_checkpoint(p); });
+  expect_every_flip_refused(model, dir.file("flipped.pt"), iterations(100) / 4, 12,
+                            [&](const std::string& p) { l->load(p, /*with_opt=*/false); });
+  EXPECT_TRUE(params_equal(*l->model(), before)) << "no damaged file reached the model";
+  EXPECT_FALSE(l->pending_resume());
+  l->load_checkpoint(ckpt);  // the sealed originals load
+  l->load(model, false);
 }
 
 // ---- a callback that throws ------------------------------------------------------------------
