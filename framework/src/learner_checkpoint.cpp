@@ -75,6 +75,12 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
   r.valid_accuracy = valid_accuracy();
   r.valid_sums = valid_sums_;
   r.stats = stats_.stages();
+  // Mid-epoch: the epoch's batches so far are in the stage's samples; their time goes with
+  // them (the resumed epoch adds only its own), so samples/s stays right across a resume.
+  const auto stage = static_cast<size_t>(stage_index_);
+  if (training_ && stage < r.stats.size())
+    r.stats[stage].train_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - train_started_).count();
   r.info = info;
   World& world = World::get();
   const RngState rng = RngState::capture(device_);

@@ -215,9 +215,9 @@ void Learner::run_epoch() {
     first = apply_resume();
     run = !stop_epoch_ && !stop_fit_;  // the checkpointed batch had ended the epoch or the fit
   }
-  const auto t_train = Clock::now();
+  train_started_ = Clock::now();
   if (run) run_batches(first);
-  stats_.stage().train_seconds += seconds_since(t_train);
+  stats_.stage().train_seconds += seconds_since(train_started_);
   stats_.stage().last_epoch_loss = epoch_loss();
   reset_batch_state();
   stats_.end_epoch();

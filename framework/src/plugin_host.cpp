@@ -326,7 +326,7 @@ std::shared_ptr<PluginHost::Library> PluginHost::Library::open(
 }
 
 std::vector<std::string> PluginHost::config_paths(const toml::table& plugins,
-                                                  const std::string& source) {
+                                                  const std::string& source, bool check_exists) {
   std::vector<std::string> out;
   const toml::node* n = plugins.get("path");
   if (!n) return out;
@@ -339,7 +339,13 @@ std::vector<std::string> PluginHost::config_paths(const toml::table& plugins,
                          describe_node(item));
     fs::path p = s->get();
     if (p.is_relative() && !base.empty()) p = base / p;
-    out.push_back(p.lexically_normal().string());
+    // Absolute: the resolved config (config.toml in the run folder) must find it from anywhere.
+    std::error_code ec;
+    out.push_back(fs::absolute(p, ec).lexically_normal().string());
+    if (check_exists && !fs::is_directory(out.back(), ec))
+      throw_config_error(location(item, source) + ": 'plugins.path' names '" + s->get() +
+                         "', which is not a folder (looked for " + out.back() +
+                         "; a relative path is relative to the config file)");
   };
   if (const auto* a = n->as_array()) {
     for (const auto& item : *a) add(item);
@@ -503,9 +509,16 @@ ConfigWithPlugins load_config_with_plugins(const std::string& path,
                                            const std::vector<std::string>& overrides) {
   ConfigWithPlugins out;
   const toml::table plugins = read_plugins_table(path, overrides);
-  out.host = std::make_unique<PluginHost>(PluginHost::config_paths(plugins, path));
+  const std::vector<std::string> folders = PluginHost::config_paths(plugins, path, /*check_exists=*/true);
+  out.host = std::make_unique<PluginHost>(folders);
   out.callbacks = out.host->load(plugins, path);
   out.config = load_config(path, overrides);
+  // The run folder's config.toml resumes as is: its plugin folders are the absolute ones found.
+  if (out.config.plugins.contains("path")) {
+    toml::array absolute;
+    for (const auto& f : folders) absolute.push_back(f);
+    out.config.plugins.insert_or_assign("path", std::move(absolute));
+  }
   check_config(out.config);
   return out;
 }

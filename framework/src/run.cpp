@@ -1,5 +1,7 @@
 #include "frugal/run.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <map>
 #include <set>
@@ -20,14 +22,45 @@ namespace frugal {
 
 namespace {
 
-// Prefixes a registry's error with the file and key it came from.
+// Prefixes a registry's error with the file and key it came from; an allocation the sizes
+// under `key` asked for and the machine refused is a ConfigError naming them too.
 template <class F>
 auto named(const Config& c, const std::string& key, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const ConfigError& e) {
     throw ConfigError(c.source + ": " + key + ": " + e.what());
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("can't allocate memory") == std::string::npos &&
+        what.find("out of memory") == std::string::npos)
+      throw;
+    throw ConfigError(c.source + ": " + key + ": the sizes it sets need more memory than this "
+                      "machine gives: " + what.substr(0, what.find('\n')));
   }
+}
+
+int64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
+// Synthetic images are made in float (the image and its noise: 8 bytes a pixel) and kept as
+// uint8: a count the machine cannot hold is refused before any of it is allocated (a large
+// enough request would be granted by overcommit and killed later).
+void check_synthetic_size(const Config& c) {
+  const double pixels = static_cast<double>(c.data.channels) * static_cast<double>(c.data.image_size) *
+                        static_cast<double>(c.data.image_size);
+  const double need = static_cast<double>(c.data.samples) * pixels * 9.0;
+  const int64_t have = physical_memory();
+  if (have <= 0 || need <= static_cast<double>(have)) return;
+  const std::string bytes = need >= 9.2e18 ? "more than 8 EiB" : format_bytes(static_cast<int64_t>(need));
+  throw ConfigError(c.source + ": data.samples = " + std::to_string(c.data.samples) +
+                    ": the synthetic dataset needs " + bytes + " while it is made (" +
+                    std::to_string(c.data.samples) + " images of " + std::to_string(c.data.channels) +
+                    "x" + std::to_string(c.data.image_size) + "x" + std::to_string(c.data.image_size) +
+                    ", 9 bytes a pixel), more than this machine's " + format_bytes(have) +
+                    "; lower data.samples or data.image_size");
 }
 
 ModelInput model_input(const Config& c, const Dataset* data) {
@@ -83,6 +116,7 @@ void check_config(const Config& c) {
       throw ConfigError(c.source + ": data.paths: " + e.what());
     }
   }
+  if (c.data.dataset == "synthetic") check_synthetic_size(c);
   if (c.data.dataset == "synthetic" || c.data.dataset == "text") {
     // Cheap to build the model for the configured shape: catches e.g. a vit patch that does
     // not divide the image size before any data is loaded.
@@ -134,10 +168,11 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
                                              World::get().local_rank() % torch::cuda::device_count()));
   MemoryMeter::get().set_device(device);
 
-  Dataset train = make_dataset(c.data, true);
+  Dataset train = named(c, "data", [&] { return make_dataset(c.data, true); });
   std::optional<DataLoader> valid;
   if (c.data.valid_samples >= 0)
-    valid.emplace(make_dataset(c.data, false), c.data.valid_batch_size, false, 0, device);
+    valid.emplace(named(c, "data", [&] { return make_dataset(c.data, false); }),
+                  c.data.valid_batch_size, false, 0, device);
   auto model = named(c, "model", [&] { return make_model(c.model, model_input(c, &train)); });
   LossFn loss = make_loss(c.loss);
   DataLoader train_loader(std::move(train), c.data.batch_size, c.data.shuffle,
@@ -255,6 +290,7 @@ void check_resume_config(const Config& c, const nlohmann::json& info, const std:
   std::set<std::string> free;
   for (const auto& k : c.keys_outside_training()) free.insert(k);
   for (const auto& k : plugin_keys_outside_training) free.insert(k);
+  free.insert("plugins.path");  // where plugins are found (absolute in a run's config.toml)
   const std::vector<std::string> diffs = training_diffs(saved, now, free, c.source);
   if (diffs.empty()) return;
   std::string list;

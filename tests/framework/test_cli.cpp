@@ -58,6 +58,21 @@ TEST(Cli, ImpossibleSizesAreRefusedBeforeAnyWork) {
   EXPECT_FALSE(std::filesystem::exists(out)) << "no work may start on bad input";
 }
 
+TEST(Cli, ADatasetLargerThanTheMachineIsAConfigErrorNamingTheKeyAndTheBytes) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  write_text(dir.file("run.toml"), tiny_config(out));
+  for (const std::string cmd : {"train", "check"}) {
+    auto r = run_cli(cmd + " " + dir.file("run.toml") +
+                     " --set data.dataset=\"synthetic\" --set data.samples=99999999999");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("data.samples = 99999999999: the synthetic dataset needs 52.4 TiB"),
+              std::string::npos) << r.output;  // 1e11 images of 1x8x8, 9 bytes a pixel
+    EXPECT_EQ(r.output.find("frame #"), std::string::npos) << "no allocator trace: " << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out + "/report.json"));
+}
+
 TEST(Cli, UnknownModelNamesTheKeyAndTheNearestModel) {
   TempDir dir;
   write_text(dir.file("run.toml"), tiny_config(dir.file("out")));

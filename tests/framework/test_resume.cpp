@@ -322,6 +322,30 @@ TEST(Resume, CheckpointWriterWritesEveryNStepsAndAtTheEnd) {
   EXPECT_EQ(we->written(), 3);
 }
 
+TEST(Resume, AMidEpochCheckpointCarriesTheTimeOfTheSamplesItCounts) {
+  TempDir dir;
+  const TinySetup s = noisy_setup();
+  struct SaveAtBatch3 : Callback {
+    std::string path;
+    std::string name() const override { return "save_at_batch_3"; }
+    void after_batch(Learner& l) override {
+      if (l.iteration() == 2) l.save_checkpoint(path);  // mid-epoch: 4 batches an epoch
+    }
+  };
+  auto l = make_tiny_learner(s);
+  auto saver = std::make_shared<SaveAtBatch3>();
+  saver->path = dir.file("ck.ckpt");
+  l->add_callback(saver);
+  l->fit(1);
+  const auto rec = Learner::read_checkpoint(dir.file("ck.ckpt"));
+  ASSERT_EQ(rec["position"]["batch"].get<int64_t>(), 3) << rec["position"].dump();
+  const auto& stage = rec["stats"][0];
+  EXPECT_GT(stage["samples"].get<int64_t>(), 0);
+  // Before: the epoch's samples were saved without its seconds, and a resumed stage's
+  // samples/s doubled.
+  EXPECT_GT(stage["train_seconds"].get<double>(), 0.0) << stage.dump();
+}
+
 // ---- the CLI: SIGKILL mid-run, then `frugal train --resume` --------------------------------
 
 std::string killable_config(const std::string& out_dir) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
+#include "cli_support.h"
 #include "frugal/plugin_host.h"
 #include "frugal/run.h"
 #include "learner_fixture.h"
@@ -373,6 +374,30 @@ TEST(PluginHost, ConfigPathsResolveAgainstTheTomlFolder) {
   PluginHost host;
   EXPECT_EQ(host.load(table, source).size(), 1u);
   EXPECT_EQ(host.search_path().back(), kFixtures);
+}
+
+TEST(PluginHost, AMissingPluginFolderIsAConfigErrorAtItsLine) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), "[plugins]\npath = \"nope\"\n");
+  EXPECT_TRUE(Has(error_of<ConfigError>([&] { load_config_with_plugins(dir.file("run.toml")); }),
+                  dir.file("run.toml") + ":2:8: 'plugins.path' names 'nope', which is not a folder"));
+}
+
+TEST(PluginHost, TheResolvedConfigFindsItsPluginsFromAnyFolder) {
+  // A config beside the fixtures' folder names it relatively; the resolved config (a run's
+  // config.toml) names it absolutely and loads the plugin from another folder.
+  const std::filesystem::path fixtures(kFixtures);
+  const std::string source = (fixtures.parent_path() / "relative.toml").string();
+  write_text(source, "[plugins]\npath = \"" + fixtures.filename().string() +
+                         "\"\n[plugins.fixture_counter]\n");
+  const ConfigWithPlugins loaded = load_config_with_plugins(source);
+  const std::string resolved = loaded.config.to_toml();
+  EXPECT_NE(resolved.find(kFixtures), std::string::npos) << resolved;
+  TempDir elsewhere;
+  write_text(elsewhere.file("config.toml"), resolved);
+  const ConfigWithPlugins again = load_config_with_plugins(elsewhere.file("config.toml"));
+  EXPECT_EQ(again.host->loaded(), std::vector<std::string>{"fixture_counter"});
+  std::filesystem::remove(source);
 }
 
 }  // namespace

@@ -321,6 +321,7 @@ class Learner {
   MemoryWindow stage_window_, phase_window_;  // open while a fit (or validate) runs
   int64_t max_steps_ = 0;
   int64_t global_epoch_ = 0;  // across stages: the data order of each epoch differs
+  std::chrono::steady_clock::time_point train_started_{};  // this epoch's training batches began
   bool destroyed_ = false;
   FitPosition next_;  // the next batch to run, kept current by the loop
   std::unique_ptr<PendingResume> resume_;  // set by load_checkpoint, consumed by fit

@@ -85,8 +85,10 @@ class PluginHost {
   /// outside_training: they may differ when a run resumes.
   std::vector<std::string> keys_outside_training() const;
 
-  /// The folders `[plugins] path` names, resolved against the config file's folder.
-  static std::vector<std::string> config_paths(const toml::table& plugins, const std::string& source);
+  /// The folders `[plugins] path` names, resolved against the config file's folder, absolute.
+  /// With `check_exists`, one that is not a folder is a ConfigError at its file:line:column.
+  static std::vector<std::string> config_paths(const toml::table& plugins, const std::string& source,
+                                               bool check_exists = false);
 
  private:
   struct Library;
