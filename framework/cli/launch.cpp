@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -109,11 +110,18 @@ std::vector<pid_t> start_ranks(int nproc, int port, std::vector<std::string> arg
     std::vector<char*> envp = pointers(env);
     const pid_t pid = ::fork();
     if (pid < 0) {
+      const int e = errno;
       for (pid_t p : pids) ::kill(p, SIGKILL);
-      throw Error(std::string("--nproc: fork failed: ") + std::strerror(errno));
+      for (pid_t p : pids) ::waitpid(p, nullptr, 0);
+      throw Error(std::string("--nproc: fork failed: ") + std::strerror(e));
     }
     if (pid == 0) {  // this very program, without --nproc
       for (int i = 0; i < 4; ++i) sigaction(kForwarded[i], &old[i], nullptr);
+      // Its own process group: a terminal's Ctrl-C reaches the launcher alone, which passes it
+      // on once (a rank that got it twice would stop at once, without its checkpoint). And a
+      // launcher that dies takes its ranks along (they stop cleanly on SIGTERM).
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       ::execve("/proc/self/exe", argv.data(), envp.data());
       ::_exit(127);
     }
@@ -159,7 +167,7 @@ int wait_ranks(const std::vector<pid_t>& pids, spdlog::logger& log) {
       }
       continue;
     }
-    if (pid < 0 && errno != EINTR && errno != ECHILD) break;
+    if (pid < 0 && errno != EINTR) break;  // ECHILD: none left to wait for
     if (std::chrono::steady_clock::now() > deadline) {
       signal_running(SIGKILL);
       deadline = std::chrono::steady_clock::time_point::max();
@@ -183,6 +191,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv, spdlog::logger
   sigemptyset(&sa.sa_mask);
   struct sigaction old[4];
   for (int i = 0; i < 4; ++i) sigaction(kForwarded[i], &sa, &old[i]);
+  ::signal(SIGCHLD, SIG_DFL);  // an inherited SIG_IGN would reap the ranks before waitpid
   int rc = 1;
   try {
     rc = wait_ranks(start_ranks(nproc, port, worker_args(argv), old), log);

@@ -243,7 +243,8 @@ nlohmann::json rank_summary(Learner& learner) {
   const nlohmann::json fit = learner.report();
   const double peak = fit.value("peak_bytes", 0.0);
   const double step = fit.contains("step_seconds") ? fit["step_seconds"].value("median", 0.0) : 0.0;
-  const auto all = World::get().all_gather(torch::tensor({peak, step}, torch::kDouble));
+  const auto all = World::get().all_gather(
+      torch::tensor({peak, step}, torch::kDouble).to(World::get().device()));
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t r = 0; r < all.size(); ++r) {
     const auto v = all[r].cpu();

@@ -293,9 +293,16 @@ BatchMemory Learner::run_micro_batches() {
     OomError::Phase phase = OomError::Phase::Forward;
     bool backward_ran = false;
     std::optional<std::string> oom = catch_oom([&] { backward_ran = forward_backward(mem, phase); });
-    agree_on_oom(oom, phase);
-    // after_backward (where data parallel all-reduces) only once every rank's backward is done.
-    if (!oom && backward_ran) oom = catch_oom([&] { finish_backward(); });
+    // after_backward: data parallel all-reduces there, on the last micro-batch. A retry stays
+    // on its rank (the only collectives of a batch come after a rank's last micro-batch, and
+    // each rank reaches that once); an out-of-memory error inside the all-reduce could not be
+    // retried on one rank alone (its buckets are on the wire): it ends the fit there.
+    if (!oom && backward_ran) {
+      if (World::get().distributed())
+        finish_backward();
+      else
+        oom = catch_oom([&] { finish_backward(); });
+    }
     if (oom) {
       recover_from_oom({phase, batch_index_, iteration_, mbs, n, ++failures, grads_at_start,
                         memory().budget(), *oom});
@@ -353,18 +360,6 @@ void Learner::finish_backward() {
   note_phase_peak(Phase::Backward, phase_window_.peak());
 }
 
-// Data parallel with run.on_oom = "retry": after each micro-batch the ranks learn whether any
-// of them ran out of memory (one all-reduce of a flag). If one did, every rank retries: the
-// others already hold this micro-batch in their gradients, so all of them drop the batch's
-// gradients and restart it at half the micro-batch (as after a failed backward), and the next
-// collective finds every rank at the same place.
-void Learner::agree_on_oom(std::optional<std::string>& oom, OomError::Phase& phase) {
-  World& world = World::get();
-  if (!world.distributed() || !oom_.retry) return;
-  if (!world.any(oom.has_value())) return;
-  if (!oom) oom = "another rank ran out of memory in this micro-batch";
-  phase = OomError::Phase::Backward;
-}
 
 void Learner::run_step() {
   phase_window_.reset();

@@ -275,7 +275,6 @@ class Learner {
   BatchMemory run_micro_batches();
   bool forward_backward(BatchMemory& mem, OomError::Phase& phase);
   void finish_backward();
-  void agree_on_oom(std::optional<std::string>& oom, OomError::Phase& phase);
   void run_step();
   void measure_steady(const BatchMemory& mem, int64_t stage_batch);
   void recover_from_oom(const OomEvent& e);
