@@ -23,9 +23,10 @@ bool same_kind(const torch::Tensor& a, const torch::Tensor& b) {
 
 }  // namespace
 
-int64_t average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes) {
+SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes) {
   World& w = World::get();
-  if (!w.distributed()) return 0;
+  SyncVolume volume;
+  if (!w.distributed()) return volume;
   torch::NoGradGuard no_grad;
   struct Bucket {
     std::vector<torch::Tensor> grads;
@@ -45,7 +46,9 @@ int64_t average_gradients(const std::vector<torch::Tensor>& params, int64_t buck
       bytes = 0;
     }
     buckets.back().grads.push_back(g);
-    bytes += g.numel() * static_cast<int64_t>(g.element_size());
+    const int64_t n = g.numel() * static_cast<int64_t>(g.element_size());
+    bytes += n;
+    volume.bytes += n;
   }
   // Every bucket on the wire before the first is awaited: Gloo works through them in order
   // while this thread flattens the next.
@@ -61,7 +64,8 @@ int64_t average_gradients(const std::vector<torch::Tensor>& params, int64_t buck
     const auto parts = at::unflatten_dense_tensors(b.flat, b.grads);
     for (size_t i = 0; i < b.grads.size(); ++i) b.grads[i].copy_(parts[i]);
   }
-  return static_cast<int64_t>(buckets.size());
+  volume.buckets = static_cast<int64_t>(buckets.size());
+  return volume;
 }
 
 void DataParallel::before_fit(Learner& l) {
@@ -80,11 +84,9 @@ void DataParallel::before_batch(Learner& l) {
 
 void DataParallel::after_backward(Learner& l) {
   if (l.step_skipped() || l.micro_index() + 1 < l.micro_count()) return;
-  const auto params = l.model()->parameters();
-  buckets_ += average_gradients(params, bucket_bytes_);
-  for (const auto& p : params)
-    if (p.requires_grad() && p.grad().defined())
-      bytes_ += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
+  const SyncVolume v = average_gradients(l.model()->parameters(), bucket_bytes_);
+  buckets_ += v.buckets;
+  bytes_ += v.bytes;
   ++syncs_;
 }
 

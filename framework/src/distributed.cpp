@@ -41,6 +41,26 @@ using Group = c10d::Backend;
 #else
 using Group = c10d::ProcessGroup;
 #endif
+
+// A collective's error, said as what it means to a user: a rank is gone or stuck. Also
+// Pending::wait's.
+template <class F>
+auto guarded(const std::string& what, F&& f) -> decltype(f()) {
+  auto lost = [&](const std::string& detail) {
+    return Error(what + " failed: another rank left the run or stopped answering (a crash, a "
+                 "kill, or distributed.timeout passed; the launcher's log names the rank): " +
+                 first_line(detail));
+  };
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    throw lost(e.what_without_backtrace());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // Gloo's own errors (gloo::IoException)
+    throw lost(e.what());
+  }
+}
 }  // namespace
 
 void DistributedOptions::visit(FieldVisitor& v) {
@@ -128,15 +148,7 @@ Pending::~Pending() {
 void Pending::wait() {
   if (!impl_) return;
   auto impl = std::move(impl_);
-  try {
-    impl->work->wait();
-  } catch (const c10::Error& e) {
-    throw Error("collective failed: another rank left the run or stopped answering: " +
-                first_line(e.what_without_backtrace()));
-  } catch (const std::runtime_error& e) {
-    throw Error("collective failed: another rank left the run or stopped answering: " +
-                first_line(e.what()));
-  }
+  guarded("a collective", [&] { impl->work->wait(); });
 }
 
 // ---------------------------------------------------------------- the world
@@ -181,22 +193,11 @@ c10d::ReduceOp to_c10d(Reduce op) {
   return c10d::ReduceOp::SUM;
 }
 
-// A collective's error, said as what it means to a user: a rank is gone or stuck.
-template <class F>
-auto guarded(const char* what, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::Error& e) {
-    throw Error(std::string(what) + " failed: another rank left the run or stopped answering " +
-                "(a crash, a kill, or distributed.timeout passed; the launcher's log names the " +
-                "rank): " + first_line(e.what_without_backtrace()));
-  } catch (const Error&) {
-    throw;
-  } catch (const std::runtime_error& e) {  // Gloo's own errors (gloo::IoException)
-    throw Error(std::string(what) + " failed: another rank left the run or stopped answering " +
-                "(a crash, a kill, or distributed.timeout passed; the launcher's log names the " +
-                "rank): " + first_line(e.what()));
-  }
+int64_t reduce_scalar(World& w, int64_t v, Reduce op) {
+  if (!w.distributed()) return v;
+  torch::Tensor t = torch::full({1}, v, torch::TensorOptions().dtype(torch::kLong).device(w.device()));
+  w.all_reduce(t, op);
+  return t.item<int64_t>();
 }
 
 }  // namespace
@@ -329,19 +330,9 @@ void World::barrier() {
 
 bool World::any(bool flag) { return max(flag ? 1 : 0) != 0; }
 
-int64_t World::min(int64_t v) {
-  if (!distributed()) return v;
-  torch::Tensor t = torch::full({1}, v, torch::TensorOptions().dtype(torch::kLong).device(device_));
-  all_reduce(t, Reduce::Min);
-  return t.item<int64_t>();
-}
+int64_t World::min(int64_t v) { return reduce_scalar(*this, v, Reduce::Min); }
 
-int64_t World::max(int64_t v) {
-  if (!distributed()) return v;
-  torch::Tensor t = torch::full({1}, v, torch::TensorOptions().dtype(torch::kLong).device(device_));
-  all_reduce(t, Reduce::Max);
-  return t.item<int64_t>();
-}
+int64_t World::max(int64_t v) { return reduce_scalar(*this, v, Reduce::Max); }
 
 void World::store_set(const std::string& key, const std::string& value) {
   if (!distributed()) return;

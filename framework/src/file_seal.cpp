@@ -61,6 +61,13 @@ uint32_t crc_of(std::ifstream& f, uint64_t offset, uint64_t size) {
   return static_cast<uint32_t>(crc);
 }
 
+// "frugal-crc32 xxxxxxxx": what seal_zip writes and verify_zip compares byte for byte.
+std::string seal_text(uint32_t crc) {
+  char text[kSealSize + 1];
+  std::snprintf(text, sizeof(text), "%s%08x", kPrefix, crc);
+  return text;
+}
+
 struct End {
   uint64_t offset = 0;    // of the end-of-central-directory record
   uint16_t comment = 0;   // its comment's length
@@ -139,15 +146,13 @@ void seal_zip(const std::string& path) {
     if (!find_end(f, size, e) || e.comment != 0)
       throw CheckpointError("cannot seal '" + path + "': not a zip archive without a comment");
     // Everything up to the comment's length field.
-    const uint32_t crc = crc_of(f, 0, e.offset + kEndSize - 2);
-    char seal[kSealSize + 1];
-    std::snprintf(seal, sizeof(seal), "%s%08x", kPrefix, crc);
+    const std::string seal = seal_text(crc_of(f, 0, e.offset + kEndSize - 2));
     std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
     const unsigned char len[2] = {static_cast<unsigned char>(kSealSize & 0xFF),
                                   static_cast<unsigned char>(kSealSize >> 8)};
     out.seekp(static_cast<std::streamoff>(e.offset + kEndSize - 2));
     out.write(reinterpret_cast<const char*>(len), 2);
-    out.write(seal, static_cast<std::streamsize>(kSealSize));
+    out.write(seal.data(), static_cast<std::streamsize>(kSealSize));
     out.flush();
     if (!out) throw CheckpointError("cannot seal '" + path + "': write failed");
   }
@@ -169,9 +174,7 @@ Seal verify_zip(const std::string& path) {
   if (e.comment != kSealSize || text.rfind(kPrefix, 0) != 0)
     throw damaged(path, "its seal (the archive comment) is not frugal's");
   const uint32_t now = crc_of(f, 0, e.offset + kEndSize - 2);
-  char expected[kSealSize + 1];
-  std::snprintf(expected, sizeof(expected), "%s%08x", kPrefix, now);
-  if (text == expected) return Seal::Verified;  // byte for byte: a changed seal never passes
+  if (text == seal_text(now)) return Seal::Verified;  // byte for byte: a changed seal never passes
   const uint32_t stored = static_cast<uint32_t>(std::strtoul(text.c_str() + 13, nullptr, 16));
   std::vector<ChangedRecord> records = changed_records(f, e.offset);
   std::string names;

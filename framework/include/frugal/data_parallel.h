@@ -43,9 +43,13 @@ class DataParallel : public Callback {
   int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0;
 };
 
+/// What one average_gradients call sent: its buckets and their gradient bytes.
+struct SyncVolume {
+  int64_t buckets = 0, bytes = 0;
+};
+
 /// Every gradient of `params` (those that train) summed across ranks and divided by the world
-/// size, in buckets of `bucket_bytes` all launched before the first is awaited. Returns the
-/// number of buckets.
-int64_t average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes);
+/// size, in buckets of `bucket_bytes` all launched before the first is awaited.
+SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes);
 
 }  // namespace frugal
