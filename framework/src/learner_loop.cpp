@@ -8,6 +8,7 @@
 #include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/learner.h"
+#include "frugal/preflight.h"
 #include "frugal/rng.h"
 #include "guard.h"
 
@@ -87,8 +88,6 @@ void Learner::fit(int64_t epochs) {
 
 void Learner::check_fit(const std::vector<Stage>& stages) const {
   if (stages.empty()) throw_usage_error("fit: no stages");
-  std::vector<std::string> names;
-  for (const auto& np : model_->named_parameters()) names.push_back(np.key());
   for (const auto& s : stages) {
     if (s.epochs < 0)
       throw_config_error("stage '" + s.name + "': epochs must be >= 0, got " + std::to_string(s.epochs));
@@ -100,21 +99,8 @@ void Learner::check_fit(const std::vector<Stage>& stages) const {
       throw_config_error("stage '" + s.name + "': seq_len = " + std::to_string(s.seq_len) +
                          " must be in [0, data.block_size = " + std::to_string(d.block_size) +
                          "] (0 = the whole window)");
-    for (const auto& prefix : s.freeze) {
-      const bool hit = std::any_of(names.begin(), names.end(),
-                                   [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
-      if (hit) continue;
-      std::vector<std::string> blocks;
-      for (const auto& c : model_->named_children()) blocks.push_back(c.key());
-      std::string list;
-      for (const auto& b : blocks) list += (list.empty() ? "" : ", ") + b;
-      const std::string near = nearest(prefix, blocks);
-      throw_config_error("stage '" + s.name + "': freeze prefix '" + prefix +
-                         "' matches no parameter" +
-                         (near.empty() ? "" : "; did you mean '" + near + "'?") +
-                         " The model's blocks: " + list);
-    }
   }
+  check_freeze_prefixes(*model_, stages);
 }
 
 void Learner::fit(const std::vector<Stage>& stages) {

@@ -14,6 +14,7 @@
 #include "frugal/distributed.h"
 #include "frugal/error.h"
 #include "frugal/model_export.h"
+#include "frugal/preflight.h"
 #include "frugal/registry.h"
 #include "frugal/threads.h"
 #include "frugal/trace.h"
@@ -117,12 +118,6 @@ void check_config(const Config& c) {
     }
   }
   if (c.data.dataset == "synthetic") check_synthetic_size(c);
-  if (c.data.dataset == "synthetic" || c.data.dataset == "text") {
-    // Cheap to build the model for the configured shape: catches e.g. a vit patch that does
-    // not divide the image size before any data is loaded.
-    torch::NoGradGuard g;
-    named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
-  }
   if (c.data.dataset == "fashion-mnist") {
     try {
       check_fashion_mnist(c.data.path);
@@ -131,6 +126,10 @@ void check_config(const Config& c) {
     }
   }
   resolve_device(c.run.device);
+  // The output folder, the freeze prefixes and the budget against the bytes the model,
+  // optimizer and data will hold: the model is cheap to build for the configured shape, and
+  // that catches e.g. a vit patch that does not divide the image size before any data is loaded.
+  preflight(c);
 }
 
 namespace {

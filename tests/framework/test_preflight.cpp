@@ -1,0 +1,121 @@
+// What `frugal check` knows without training: the bytes a run will hold (compared with what a
+// real run holds), the output folder, freeze prefixes, the budget, disabled plugins' options.
+#include <filesystem>
+
+#include "cli_support.h"
+#include "frugal/config.h"
+#include "frugal/error.h"
+#include "frugal/optimizers.h"
+#include "frugal/preflight.h"
+#include "frugal/run.h"
+#include "support.h"
+
+namespace frugal::test {
+namespace {
+
+std::string tiny_config(const std::string& out_dir) {
+  return "[run]\nout_dir = \"" + out_dir + "\"\nprogress = \"none\"\nthreads = 1\nmax_steps = 1\n"
+         "[data]\ndataset = \"synthetic\"\nsamples = 96\nimage_size = 8\nclasses = 4\nbatch_size = 32\n"
+         "[model]\narch = \"mlp\"\nwidth = 16\ndepth = 1\n"
+         "[optimizer]\nname = \"adam\"\nlr = 0.01\n"
+         "[[stages]]\nname = \"first\"\nepochs = 1\nfreeze = [\"stem\"]\n";
+}
+
+int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+int64_t dataset_bytes(const Dataset& d) { return bytes_of(d.images) + bytes_of(d.labels) + bytes_of(d.tokens); }
+
+TEST(Preflight, TheEstimateFromShapesIsWhatARealRunHolds) {
+  TempDir dir;
+  const Config c = parse_config(tiny_config(dir.file("out")), "tiny.toml");
+  const HeldBytes h = estimate_held_bytes(c);
+
+  auto learner = make_learner(c);
+  learner->fit(c.stages);  // one step: gradients and Adam's state exist
+  int64_t params = 0, trained = 0;
+  for (const auto& np : learner->model()->named_parameters()) {
+    params += bytes_of(np.value());
+    if (np.key().rfind("stem", 0) != 0) trained += bytes_of(np.value());
+  }
+  EXPECT_EQ(h.parameters, params);
+  EXPECT_EQ(h.gradients, trained) << "the first stage freezes stem: its gradients are not counted";
+  EXPECT_EQ(h.optimizer, "adam");
+  EXPECT_EQ(h.optimizer_state, optimizer_state_bytes(learner->optimizer()));
+  EXPECT_EQ(h.optimizer_state, 2 * trained) << "Adam: two moments per trained parameter";
+  ASSERT_NE(learner->valid_data(), nullptr);
+  EXPECT_EQ(h.data, dataset_bytes(learner->train_data().dataset()) +
+                        dataset_bytes(learner->valid_data()->dataset()));
+  EXPECT_TRUE(h.data_on_device);
+}
+
+TEST(Preflight, ABudgetBelowTheHeldBytesIsRefusedByCheckAndTrainBeforeAnyWork) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  write_text(dir.file("run.toml"), tiny_config(out));
+  const HeldBytes h = estimate_held_bytes(parse_config(tiny_config(out), "run.toml"));
+  const std::string below = std::to_string(h.total() - 1);
+  for (const std::string cmd : {"check", "train"}) {
+    auto r = run_cli(cmd + " " + dir.file("run.toml") + " --set run.memory_budget=\"" + below + "B\"");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("run.memory_budget = " + format_bytes(h.total() - 1) + " is below"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("optimizer state (adam) " + format_bytes(h.optimizer_state)), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("data " + format_bytes(h.data)), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out)) << "no work may start on bad input";
+  // The estimate itself fits: check passes at exactly the held bytes.
+  auto ok = run_cli("check " + dir.file("run.toml") + " --set run.memory_budget=\"" +
+                    std::to_string(h.total()) + "B\"");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+TEST(Preflight, CheckRefusesAnOutputFolderThatCannotBeMadeAndLeavesNothingBehind) {
+  TempDir dir;
+  write_text(dir.file("file"), "x");
+  write_text(dir.file("run.toml"), tiny_config(dir.file("file") + "/out"));
+  auto r = run_cli("check " + dir.file("run.toml"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("run.out_dir: output folder '" + dir.file("file") + "/out' cannot be created: '" +
+                          dir.file("file") + "' is not a folder"),
+            std::string::npos) << r.output;
+
+  write_text(dir.file("ok.toml"), tiny_config(dir.file("a/b/out")));
+  r = run_cli("check " + dir.file("ok.toml"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.file("a"))) << "check creates nothing";
+  size_t left = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) left += e.path().filename().string()[0] == '.';
+  EXPECT_EQ(left, 0u) << "the probe folder is removed";
+}
+
+TEST(Preflight, CheckRefusesAFreezePrefixThatMatchesNoParameter) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), tiny_config(dir.file("out")));
+  auto r = run_cli("check " + dir.file("run.toml") + " --set 'stages.0.freeze=[\"stm\"]'");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("stages.freeze: stage 'first': freeze prefix 'stm' matches no parameter; "
+                          "did you mean 'stem'?"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("The model's blocks: stem, block1, head"), std::string::npos) << r.output;
+}
+
+TEST(Preflight, ADisabledPluginsOptionsAreCheckedToo) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), tiny_config(dir.file("out")) +
+                                       "[plugins.detach_loss]\nenabled = false\nbogus = 1\n"
+                                       "[plugins.not_installed]\nenabled = false\nwhatever = 2\n");
+  auto r = run_cli("check " + dir.file("run.toml"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("run.toml:25:1: unknown key 'plugins.detach_loss.bogus'"), std::string::npos)
+      << r.output;
+  // Without the typo the config passes: a plugin that is not installed and turned off is ignored.
+  write_text(dir.file("ok.toml"), tiny_config(dir.file("out")) +
+                                      "[plugins.detach_loss]\nenabled = false\n"
+                                      "[plugins.not_installed]\nenabled = false\nwhatever = 2\n");
+  r = run_cli("check " + dir.file("ok.toml"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+}  // namespace
+}  // namespace frugal::test
