@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -288,6 +290,20 @@ std::vector<PluginDescription> PluginHost::discover(std::vector<std::string>* pr
   return out;
 }
 
+namespace {
+/// What to do about a library the loader refused: a file that is not a shared library at all,
+/// one missing symbols (built against another frugal or LibTorch), or the loader's reason alone.
+std::string load_advice(const std::string& path, const std::string& why) {
+  char magic[4] = {};
+  std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
+  if (std::memcmp(magic, "\x7f" "ELF", 4) != 0)
+    return " (it is not a shared library: no ELF header; a plugin is built with frugal_add_plugin)";
+  if (why.find("undefined symbol") != std::string::npos)
+    return " (a plugin built against another frugal or LibTorch must be rebuilt against this one)";
+  return "";
+}
+}  // namespace
+
 std::shared_ptr<PluginHost::Library> PluginHost::Library::open(
     const std::string& name, const std::string& path,
     const std::vector<std::shared_ptr<Library>>& held) {
@@ -299,9 +315,9 @@ std::shared_ptr<PluginHost::Library> PluginHost::Library::open(
   std::error_code ec;
   rec->lib.load(path, boost::dll::load_mode::rtld_local | boost::dll::load_mode::rtld_now, ec);
   if (ec) {
-    const char* why = dlerror();  // Boost.DLL keeps only a generic error code
-    fail("cannot load plugin '" + name + "' from '" + path + "': " + (why ? why : ec.message()) +
-         " (a plugin built against another frugal or LibTorch must be rebuilt)");
+    const char* err = dlerror();  // Boost.DLL keeps only a generic error code
+    const std::string why = err ? err : ec.message();
+    fail("cannot load plugin '" + name + "' from '" + path + "': " + why + load_advice(path, why));
   }
   if (!rec->lib.has("frugal_plugin"))
     fail("'" + path + "' is not a frugal plugin (no 'frugal_plugin' symbol): a plugin exports "
@@ -369,7 +385,31 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
   // on_load first: a plugin's options may name an optimizer (model, ...) a plugin registers.
   for (auto& w : wanted) run_on_load(w);
   for (auto& w : wanted) read_plugin_options(w, source);
+  check_disabled_options(plugins, source);
   return create_callbacks(wanted, relations);
+}
+
+/// The tables `enabled = false` turns off are read against their plugin's options too, so a
+/// typo does not wait for the day the plugin is turned on. A plugin that is not installed or
+/// does not load is left alone: turning it off is how a user sets it aside.
+void PluginHost::check_disabled_options(const toml::table& plugins, const std::string& source) {
+  std::vector<std::pair<std::string, fs::path>> found;
+  for (auto&& [key, node] : plugins) {
+    const std::string name(key.str());
+    const toml::table* t = node.as_table();
+    const toml::node* e = t ? t->get("enabled") : nullptr;
+    if (name == "path" || !e || !e->is_boolean() || e->as_boolean()->get()) continue;
+    if (found.empty()) found = scan(search_path_);
+    auto it = std::find_if(found.begin(), found.end(), [&](const auto& f) { return f.first == name; });
+    if (it == found.end()) continue;
+    Wanted w{name, t, nullptr};
+    try {
+      w.lib = Library::open(name, it->second.string(), libraries_);
+    } catch (const PluginError&) {
+      continue;
+    }
+    read_plugin_options(w, source);
+  }
 }
 
 void PluginHost::register_plugins(const toml::table& plugins, const std::string& source) {

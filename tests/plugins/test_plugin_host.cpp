@@ -124,6 +124,28 @@ TEST(PluginHost, EnabledFalseKeepsAPluginOffEvenWhenItIsNotInstalled) {
   EXPECT_EQ(host.load(plugins_of("[plugins.fixture_counter]\nenabled = true\n"), "cfg.toml").size(), 1u);
 }
 
+TEST(PluginHost, ADisabledPluginsOptionsAreStillChecked) {
+  PluginHost host({kFixtures});
+  EXPECT_EQ(error_of<ConfigError>([&] {
+              host.load(plugins_of("[plugins.fixture_counter]\nenabled = false\nevry = 2\n"), "cfg.toml");
+            }),
+            "cfg.toml:3:1: unknown key 'plugins.fixture_counter.evry'; did you mean "
+            "'plugins.fixture_counter.every'? Allowed keys in [plugins.fixture_counter]: enabled, "
+            "every, order");
+  EXPECT_TRUE(host.loaded().empty());
+}
+
+TEST(PluginHost, AFileThatIsNotASharedLibrarySaysSo) {
+  TempDir dir;
+  std::ofstream(dir.file("libfrugal_junk.so")) << "junk";
+  PluginHost host({dir.path().string()});
+  const std::string msg =
+      error_of<PluginError>([&] { host.load(plugins_of("[plugins.junk]\n"), "cfg.toml"); });
+  EXPECT_TRUE(Has(msg, "cannot load plugin 'junk' from '" + dir.file("libfrugal_junk.so") + "'")) << msg;
+  EXPECT_TRUE(Has(msg, "it is not a shared library: no ELF header")) << msg;
+  EXPECT_FALSE(Has(msg, "another frugal")) << msg;
+}
+
 TEST(PluginHost, NotFoundSuggestsTheNearestAndListsWhatWasSearched) {
   ScopedEnv env("FRUGAL_PLUGIN_PATH", "/nonexistent/frugal-plugins");
   PluginHost host({kFixtures});

@@ -65,7 +65,8 @@ class PluginHost {
   /// off), checks conflicts, runs on_load (so a plugin's option table may name an optimizer
   /// another plugin registers), validates each table against the plugin's options, creates
   /// the callbacks, then checks ordering needs (runs_before needs each callback's order()).
-  /// Everything is checked before any callback is returned; the callbacks come sorted by
+  /// A table turned off is still read against its plugin's options when the plugin is
+  /// installed (a typo is found before the day it is turned on). Everything is checked before any callback is returned; the callbacks come sorted by
   /// order(). `[plugins] path` folders join the search path. Throws PluginError
   /// (not found: lists the available plugins and the folders searched; not a frugal plugin;
   /// ABI or LibTorch mismatch with both versions; a factory that throws; a conflict or order
@@ -98,6 +99,7 @@ class PluginHost {
   static std::map<std::string, PluginRelations> check_conflicts(const std::vector<Wanted>& wanted);
   static void run_on_load(Wanted& w);
   static void read_plugin_options(Wanted& w, const std::string& source);
+  void check_disabled_options(const toml::table& plugins, const std::string& source);
   std::vector<std::shared_ptr<Callback>> create_callbacks(
       std::vector<Wanted>& wanted, const std::map<std::string, PluginRelations>& relations);
 
