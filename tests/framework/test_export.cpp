@@ -1,8 +1,10 @@
 // The trained model kept: every finished run writes model.pt (weights only) and
 // model.safetensors; both load back exactly, from C++ and from Python; damaged or foreign
 // files are refused with the file's name.
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "cli_support.h"
 #include "frugal/frugal.h"
@@ -86,6 +88,33 @@ TEST(Safetensors, DamagedFilesAreRefusedNamingTheFileAndWhat) {
   expect_refused([](std::string& b) { b.replace(b.find("[2,2]"), 5, "[2,3]"); }, "disagree");
   expect_refused([](std::string& b) { b.replace(b.find("F32"), 3, "F99"); }, "unknown dtype");
   expect_refused([](std::string& b) { b.replace(b.find("[16,32]"), 7, "[12,28]"); }, "overlap");
+  // A flipped bit in a weight keeps the layout valid: the per-tensor checksum catches it.
+  expect_refused([](std::string& b) { b.back() ^= 0x01; }, "tensor 'b' do not match their checksum");
+  expect_refused([](std::string& b) { b.replace(b.find("frugal.crc32.a"), 14, "frugal.crc32.z"); },
+                 "tensor 'a' has no checksum");
+}
+
+TEST(Safetensors, EveryFlippedBitOfTheTensorsIsRefused) {
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  const std::vector<std::pair<std::string, torch::Tensor>> tensors = {
+      {"w", torch::randn({16, 8})}, {"b", torch::randn({8})}, {"ids", torch::arange(6)}};
+  safetensors::write(path, tensors);
+  const std::string good = read_text(path);
+  uint64_t n = 0;
+  std::memcpy(&n, good.data(), sizeof n);
+  const size_t data = 8 + n;
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 100; ++i) {
+    const size_t at = data + rng() % (good.size() - data);
+    const int bit = static_cast<int>(rng() % 8);
+    std::string bytes = good;
+    bytes[at] = static_cast<char>(bytes[at] ^ (1 << bit));
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    EXPECT_THROW(safetensors::read(path), CheckpointError) << "byte " << at << " bit " << bit;
+  }
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << good;
+  EXPECT_EQ(safetensors::read(path).size(), tensors.size());
 }
 
 TEST(ModelExport, AFinishedRunKeepsItsWeightsAndTheyLoadBackExactly) {
