@@ -13,6 +13,13 @@
 // accumulates and a checkpoint's recompute buffers are both live then; on the tiny test
 // config adding them over-predicted by up to 12%, the largest alone by up to 10%).
 // Its step time multiplies the techniques' slowdowns.
+//
+// Step times of a few batches are noisy (on a shared CPU, more than the differences between
+// techniques): each measured median carries its spread, (p90 - p10) / sqrt(steady batches), and
+// a combination's prediction the spreads of the medians it multiplies. Candidates whose step
+// times lie within their spreads of the fastest are too close to call; of those the proposal is
+// the one with the fewest techniques, then the smallest predicted peak: a rule noise cannot
+// flip, so two plans of the same config propose the same combination.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -35,11 +42,13 @@ struct Fit {
   double fixed = 0;  ///< bytes
   double slope = 0;  ///< bytes per sample
   double step = 0;   ///< median step seconds at the configured batch size
+  double spread = 0; ///< relative uncertainty of `step`
 };
 
 struct Candidate {
   std::vector<std::string> on;
   double peak = 0, step = 0;
+  double spread = 0;  ///< relative uncertainty of `step`
   bool fits = false;
   bool measured = false;
   int64_t measured_peak = 0;
@@ -63,6 +72,15 @@ int64_t batch_bytes_of(const ChildResult& r) {
 }
 double step_of(const ChildResult& r) {
   return r.report["fit"]["step_seconds"].value("median", 0.0);
+}
+/// The relative uncertainty of a run's median step time from `steady` batches: the p10-p90
+/// range over the median, shrunk by the square root of the batches it was taken from.
+double spread_of(const ChildResult& r, int64_t steady) {
+  const json& t = r.report["fit"]["step_seconds"];
+  const double median = t.value("median", 0.0);
+  if (median <= 0) return 0;
+  return (t.value("p90", median) - t.value("p10", median)) / median /
+         std::sqrt(static_cast<double>(std::max<int64_t>(steady, 1)));
 }
 
 }  // namespace
@@ -96,6 +114,7 @@ struct PlanInputs {
   int64_t b = 0, half = 0;         ///< the batch size and half of it
   std::vector<std::string> keys;   ///< run.* keys of every child run
   std::vector<ChildRun> measure;   ///< the baseline and each technique alone, at b and b / 2
+  int64_t steady = 1;              ///< timed batches of a measured run (after warm-up)
 };
 
 PlanInputs plan_inputs(const PlanArgs& a) {
@@ -114,6 +133,7 @@ PlanInputs plan_inputs(const PlanArgs& a) {
                        "which measures at the batch size and at half of it");
   in.half = in.b / 2;
   const int64_t warmup = std::min<int64_t>(in.cfg.ablation.warmup, a.steps - 1);
+  in.steady = a.steps - warmup;
   in.keys = {"run.max_steps=" + std::to_string(a.steps), "run.progress=\"none\"",
              "run.warmup=" + std::to_string(warmup), "run.trace=\"\"",
              // Validation's peak does not follow the training batch: the plan is about training.
@@ -136,12 +156,13 @@ struct Measured {
 };
 
 /// F and A of one technique (or the baseline) from its runs at b and b / 2.
-Fit fit_of(const ChildResult& big, const ChildResult& small, int64_t b, int64_t half) {
+Fit fit_of(const ChildResult& big, const ChildResult& small, int64_t b, int64_t half, int64_t steady) {
   Fit f;
   f.slope = std::max(0.0, static_cast<double>(peak_of(big) - peak_of(small)) /
                               static_cast<double>(b - half));
   f.fixed = static_cast<double>(peak_of(big)) - f.slope * static_cast<double>(b);
   f.step = step_of(big);
+  f.spread = spread_of(big, steady);
   return f;
 }
 
@@ -162,10 +183,11 @@ Measured measure_all(const PlanArgs& a, const PlanInputs& in, const std::string&
                     "alone to run (see " + a.out + "/measure/" + r.name + "/log.txt)");
       m.runs.push_back({{"name", r.name}, {"techniques", r.on},
                         {"batch_size", k == 0 ? in.b : in.half}, {"peak_bytes", peak_of(res)},
-                        {"step_seconds", step_of(res)}});
+                        {"step_seconds", step_of(res)},
+                        {"step_spread", spread_of(res, in.steady)}});
       (k == 0 ? big : small) = std::move(res);
     }
-    const Fit f = fit_of(big, small, in.b, in.half);
+    const Fit f = fit_of(big, small, in.b, in.half, in.steady);
     if (m.fits.empty())
       m.invariant = std::clamp(static_cast<double>(batch_bytes_of(big) - batch_bytes_of(small)) /
                                    static_cast<double>(in.b - in.half),
@@ -183,7 +205,7 @@ std::vector<Candidate> predict_all(const PlanInputs& in, const Measured& m) {
   for (size_t mask = 0; mask < (size_t{1} << n); ++mask) {
     Candidate c;
     // Techniques scale the per-sample bytes above the batch's own.
-    double scaled = base.slope - m.invariant, step = base.step, grow = 0, shrink = 0;
+    double scaled = base.slope - m.invariant, step = base.step, grow = 0, shrink = 0, var = 0;
     for (size_t j = 0; j < n; ++j) {
       if (!(mask & (size_t{1} << j))) continue;
       const Fit& f = m.fits[j + 1];
@@ -196,7 +218,12 @@ std::vector<Candidate> predict_all(const PlanInputs& in, const Measured& m) {
       if (base.slope - m.invariant > 0)
         scaled *= std::max(0.0, f.slope - m.invariant) / (base.slope - m.invariant);
       if (base.step > 0) step *= f.step / base.step;
+      var += f.spread * f.spread;
     }
+    // step = base * prod(f / base): the baseline's median enters with power 1 - k.
+    const double k = static_cast<double>(c.on.size());
+    var += (1 - k) * (1 - k) * base.spread * base.spread;
+    c.spread = std::sqrt(var);
     c.peak = base.fixed + grow + shrink + (m.invariant + scaled) * static_cast<double>(in.b);
     c.step = step;
     c.fits = c.peak <= static_cast<double>(in.budget);
@@ -206,12 +233,24 @@ std::vector<Candidate> predict_all(const PlanInputs& in, const Measured& m) {
   return all;
 }
 
-/// The fastest combination predicted to fit; null when none does.
-const Candidate* fastest_fitting(const std::vector<Candidate>& all) {
-  const Candidate* best = nullptr;
+/// The proposal among the combinations predicted to fit (null when none does): of those whose
+/// step times are within their spreads of the fastest's (too close to call: `close` lists them),
+/// the fewest techniques, then the smallest predicted peak.
+const Candidate* propose(const std::vector<Candidate>& all, std::vector<const Candidate*>& close) {
+  const Candidate* fastest = nullptr;
   for (const auto& c : all)
-    if (c.fits && (!best || c.step < best->step)) best = &c;
-  return best;
+    if (c.fits && (!fastest || c.step < fastest->step)) fastest = &c;
+  close.clear();
+  if (!fastest) return nullptr;
+  for (const auto& c : all) {
+    const double within = std::hypot(c.spread * c.step, fastest->spread * fastest->step);
+    if (c.fits && c.step - fastest->step <= within) close.push_back(&c);
+  }
+  return *std::min_element(close.begin(), close.end(), [](const Candidate* x, const Candidate* y) {
+    if (x->on.size() != y->on.size()) return x->on.size() < y->on.size();
+    if (x->peak != y->peak) return x->peak < y->peak;
+    return x->on < y->on;
+  });
 }
 
 /// plan.json without the combinations and the proposal: the inputs and the fitted model.
@@ -228,7 +267,7 @@ json plan_header(const PlanArgs& a, const PlanInputs& in, const Measured& m) {
   for (size_t j = 0; j < m.fits.size(); ++j)
     fitted[j == 0 ? std::string("baseline") : in.t.techniques[j - 1]] = {
         {"fixed_bytes", m.fits[j].fixed}, {"bytes_per_sample", m.fits[j].slope},
-        {"step_seconds", m.fits[j].step}};
+        {"step_seconds", m.fits[j].step}, {"step_spread", m.fits[j].spread}};
   fitted["batch_bytes_per_sample"] = m.invariant;
   out["model"] = fitted;
   return out;
@@ -264,10 +303,11 @@ json combinations(const std::vector<Candidate>& all, const Candidate* best, std:
   json combos = json::array();
   for (const auto& c : all) {
     json j = {{"techniques", c.on}, {"predicted_peak_bytes", static_cast<int64_t>(c.peak)},
-              {"predicted_step_seconds", c.step}, {"fits", c.fits}};
+              {"predicted_step_seconds", c.step}, {"predicted_step_spread", c.spread},
+              {"fits", c.fits}};
     md << "| " << (best == &c ? "**" + name_of(c.on) + "**" : name_of(c.on)) << " | "
        << format_bytes(static_cast<int64_t>(c.peak)) << " | " << (c.fits ? "yes" : "no") << " | "
-       << fixed_digits(1000 * c.step, 1) << " ms | ";
+       << fixed_digits(1000 * c.step, 1) << " ms ± " << fixed_digits(100 * c.spread, 0) << "% | ";
     if (c.measured) {
       const double err = 100.0 * (c.peak - static_cast<double>(c.measured_peak)) / c.measured_peak;
       j["measured_peak_bytes"] = c.measured_peak;
@@ -300,12 +340,24 @@ void no_proposal(const PlanInputs& in, const Measured& m, const std::vector<Cand
 }
 
 /// The proposal, with what its run measured, in plan.md and plan.json.
-void proposal(const PlanInputs& in, const Candidate& best, std::ostream& md, json& out,
-              spdlog::logger& log) {
-  md << "\nProposal: **" << name_of(best.on) << "**, the fastest predicted to fit ("
-     << format_bytes(static_cast<int64_t>(best.peak)) << " of " << format_bytes(in.budget) << ").";
+void proposal(const PlanInputs& in, const Candidate& best, const std::vector<const Candidate*>& close,
+              std::ostream& md, json& out, spdlog::logger& log) {
+  json too_close = json::array();
+  std::string others;
+  for (const Candidate* c : close) {
+    too_close.push_back(c->on);
+    if (c != &best) others += (others.empty() ? "" : ", ") + name_of(c->on);
+  }
+  if (others.empty())
+    md << "\nProposal: **" << name_of(best.on) << "**, the fastest predicted to fit (";
+  else
+    md << "\nProposal: **" << name_of(best.on) << "**. Too close to call on step time with " << others
+       << " (within the measurements' spread; more --steps can separate them): of these, the "
+          "fewest techniques, then the smallest predicted peak (";
+  md << format_bytes(static_cast<int64_t>(best.peak)) << " of " << format_bytes(in.budget) << ").";
   json p = {{"techniques", best.on}, {"predicted_peak_bytes", static_cast<int64_t>(best.peak)},
-            {"predicted_step_seconds", best.step}};
+            {"predicted_step_seconds", best.step}, {"predicted_step_spread", best.spread},
+            {"too_close_to_call", too_close}};
   if (best.measured) {
     const double err = 100.0 * (best.peak - static_cast<double>(best.measured_peak)) / best.measured_peak;
     p["measured_peak_bytes"] = best.measured_peak;
@@ -336,7 +388,8 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
            in.t.techniques.size(), in.b, in.half, in.measure.size(), a.steps);
   const Measured m = measure_all(a, in, exe, log);
   std::vector<Candidate> all = predict_all(in, m);
-  const Candidate* best = fastest_fitting(all);
+  std::vector<const Candidate*> close;
+  const Candidate* best = propose(all, close);
   json out = plan_header(a, in, m);
   verify(a, in, exe, all, best, log);
 
@@ -345,11 +398,11 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
      << "Batch size " << in.b << "; predicted from " << in.measure.size() << " runs of " << a.steps
      << " batches (the baseline and each technique alone at batch sizes " << in.b << " and "
      << in.half << "); training peak, validation off.\n\n"
-     << "| techniques | predicted peak | fits | predicted step time | measured peak | error |\n"
+     << "| techniques | predicted peak | fits | predicted step time ± spread | measured peak | error |\n"
      << "|---|---:|:---:|---:|---:|---:|\n";
   out["combinations"] = combinations(all, best, md);
   if (best)
-    proposal(in, *best, md, out, log);
+    proposal(in, *best, close, md, out, log);
   else
     no_proposal(in, m, all, md, out, log);
   write_file_atomic((fs::path(a.out) / "plan.json").string(), out.dump(2) + "\n");

@@ -1,6 +1,7 @@
 // `frugal ablate` and `frugal plan` end to end on a tiny synthetic config: every combination
 // runs in its own process and lands in the results; a failing run is recorded, not fatal;
 // bad input is refused before any run; the planner's predictions match what it measures.
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
@@ -186,6 +187,24 @@ TEST(Plan, PredictsEveryCombinationWithinFifteenPercent) {
   }
   ASSERT_TRUE(plan["proposal"].is_object());
   EXPECT_TRUE(plan["proposal"].contains("error_percent"));
+  // Noise cannot flip the proposal: of the fitting combinations within the step times' spread
+  // of the fastest, it has the fewest techniques; every fitting one outside is slower.
+  const json& p = plan["proposal"];
+  const json& close = p["too_close_to_call"];
+  ASSERT_FALSE(close.empty()) << p.dump();
+  bool listed = false;
+  for (const auto& on : close) {
+    EXPECT_GE(on.size(), p["techniques"].size()) << p.dump();
+    listed = listed || on == p["techniques"];
+  }
+  EXPECT_TRUE(listed) << p.dump();
+  for (const auto& c : plan["combinations"]) {
+    EXPECT_GE(c["predicted_step_spread"].get<double>(), 0.0);
+    const bool in_close = std::find(close.begin(), close.end(), c["techniques"]) != close.end();
+    if (c["fits"].get<bool>() && !in_close)
+      EXPECT_GT(c["predicted_step_seconds"].get<double>(), p["predicted_step_seconds"].get<double>())
+          << c.dump();
+  }
 }
 
 TEST(Plan, ABudgetTooSmallForAnythingSaysSo) {
