@@ -15,11 +15,14 @@
 // Its step time multiplies the techniques' slowdowns.
 //
 // Step times of a few batches are noisy (on a shared CPU, more than the differences between
-// techniques): each measured median carries its spread, (p90 - p10) / sqrt(steady batches), and
-// a combination's prediction the spreads of the medians it multiplies. Candidates whose step
-// times lie within their spreads of the fastest are too close to call; of those the proposal is
-// the one with the fewest techniques, then the smallest predicted peak: a rule noise cannot
-// flip, so two plans of the same config propose the same combination.
+// techniques): each measured median carries its spread, (p90 - p10) / median / sqrt(steady
+// batches), and a combination's prediction the spreads of the medians it multiplies. A
+// combination is clearly faster than another when the log of their step times' ratio passes twice
+// their combined spread (the root of their squared spreads).
+// The proposal starts from the simplest combination that fits (fewest techniques, then smallest
+// predicted peak: memory, which is stable) and moves only to clearly faster ones, so noise that
+// masks the differences leaves it where memory puts it and two plans of the same config
+// propose the same combination; the faster-looking rest is reported as too close to call.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -233,24 +236,37 @@ std::vector<Candidate> predict_all(const PlanInputs& in, const Measured& m) {
   return all;
 }
 
-/// The proposal among the combinations predicted to fit (null when none does): of those whose
-/// step times are within their spreads of the fastest's (too close to call: `close` lists them),
-/// the fewest techniques, then the smallest predicted peak.
+/// A clearly faster than B: the log of their predicted step times' ratio passes twice their
+/// combined spread.
+bool clearly_faster(const Candidate& a, const Candidate& b) {
+  return a.step > 0 && b.step > 0 && std::log(b.step / a.step) > 2 * std::hypot(a.spread, b.spread);
+}
+
+/// The proposal among the combinations predicted to fit (null when none does): the simplest
+/// (fewest techniques, then smallest predicted peak), replaced by the simplest clearly faster
+/// one for as long as there is one. `close` gets the fitting combinations predicted faster than
+/// the proposal but not clearly: too close to call.
 const Candidate* propose(const std::vector<Candidate>& all, std::vector<const Candidate*>& close) {
-  const Candidate* fastest = nullptr;
+  const auto simpler = [](const Candidate& x, const Candidate& y) {
+    if (x.on.size() != y.on.size()) return x.on.size() < y.on.size();
+    if (x.peak != y.peak) return x.peak < y.peak;
+    return x.on < y.on;
+  };
+  const Candidate* best = nullptr;
   for (const auto& c : all)
-    if (c.fits && (!fastest || c.step < fastest->step)) fastest = &c;
+    if (c.fits && (!best || simpler(c, *best))) best = &c;
   close.clear();
-  if (!fastest) return nullptr;
-  for (const auto& c : all) {
-    const double within = std::hypot(c.spread * c.step, fastest->spread * fastest->step);
-    if (c.fits && c.step - fastest->step <= within) close.push_back(&c);
+  if (!best) return nullptr;
+  for (;;) {  // each move lowers the step time: it ends
+    const Candidate* next = nullptr;
+    for (const auto& c : all)
+      if (c.fits && clearly_faster(c, *best) && (!next || simpler(c, *next))) next = &c;
+    if (!next) break;
+    best = next;
   }
-  return *std::min_element(close.begin(), close.end(), [](const Candidate* x, const Candidate* y) {
-    if (x->on.size() != y->on.size()) return x->on.size() < y->on.size();
-    if (x->peak != y->peak) return x->peak < y->peak;
-    return x->on < y->on;
-  });
+  for (const auto& c : all)
+    if (c.fits && &c != best && c.step < best->step) close.push_back(&c);
+  return best;
 }
 
 /// plan.json without the combinations and the proposal: the inputs and the fitted model.
@@ -343,17 +359,21 @@ void no_proposal(const PlanInputs& in, const Measured& m, const std::vector<Cand
 void proposal(const PlanInputs& in, const Candidate& best, const std::vector<const Candidate*>& close,
               std::ostream& md, json& out, spdlog::logger& log) {
   json too_close = json::array();
-  std::string others;
-  for (const Candidate* c : close) {
-    too_close.push_back(c->on);
-    if (c != &best) others += (others.empty() ? "" : ", ") + name_of(c->on);
-  }
-  if (others.empty())
+  for (const Candidate* c : close) too_close.push_back(c->on);
+  if (close.empty()) {
     md << "\nProposal: **" << name_of(best.on) << "**, the fastest predicted to fit (";
-  else
-    md << "\nProposal: **" << name_of(best.on) << "**. Too close to call on step time with " << others
-       << " (within the measurements' spread; more --steps can separate them): of these, the "
-          "fewest techniques, then the smallest predicted peak (";
+  } else {
+    // The simplest of the others first (at most five named; plan.json lists them all).
+    std::vector<const Candidate*> others = close;
+    std::stable_sort(others.begin(), others.end(),
+                     [](const Candidate* x, const Candidate* y) { return x->on.size() < y->on.size(); });
+    std::string named;
+    for (size_t i = 0; i < others.size() && i < 5; ++i) named += (i ? ", " : "") + name_of(others[i]->on);
+    if (others.size() > 5) named += " and " + std::to_string(others.size() - 5) + " more";
+    md << "\nProposal: **" << name_of(best.on) << "**, the simplest predicted to fit that nothing "
+       << "fitting is clearly faster than. Predicted faster, but within twice the measurements' "
+       << "spread (too close to call; more --steps can separate them): " << named << " (";
+  }
   md << format_bytes(static_cast<int64_t>(best.peak)) << " of " << format_bytes(in.budget) << ").";
   json p = {{"techniques", best.on}, {"predicted_peak_bytes", static_cast<int64_t>(best.peak)},
             {"predicted_step_seconds", best.step}, {"predicted_step_spread", best.spread},
