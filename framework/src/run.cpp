@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -13,6 +14,7 @@
 #include "frugal/data_parallel.h"
 #include "frugal/distributed.h"
 #include "frugal/error.h"
+#include "frugal/memory.h"
 #include "frugal/model_export.h"
 #include "frugal/preflight.h"
 #include "frugal/registry.h"
@@ -23,27 +25,35 @@ namespace frugal {
 
 namespace {
 
-// Prefixes a registry's error with the file and key it came from; an allocation the sizes
-// under `key` asked for and the machine refused is a ConfigError naming them too.
+int64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
+// Prefixes a registry's error with the file and key it came from. What it builds on the CPU is
+// held to the machine's physical memory (the tracking allocator refuses past it: overcommit
+// would grant a model of terabytes and the kernel kill the process once its pages are touched),
+// and an allocation refused is a ConfigError naming the key and the bytes.
 template <class F>
 auto named(const Config& c, const std::string& key, F&& f) -> decltype(f()) {
+  const int64_t machine = physical_memory(), budget = MemoryMeter::get().budget();
+  std::optional<ScopedMemoryBudget> guard;
+  if (MemoryMeter::get().device().is_cpu() && machine > 0 && (budget == 0 || budget > machine))
+    guard.emplace(machine);
   try {
     return f();
   } catch (const ConfigError& e) {
     throw ConfigError(c.source + ": " + key + ": " + e.what());
   } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
+    std::string what = e.what_without_backtrace();
     if (what.find("can't allocate memory") == std::string::npos &&
         what.find("out of memory") == std::string::npos)
       throw;
+    what = what.substr(0, what.find('\n'));
+    if (guard) what = what.substr(0, what.find(" of budget"));  // the budget is the machine's here
     throw ConfigError(c.source + ": " + key + ": the sizes it sets need more memory than this "
-                      "machine gives: " + what.substr(0, what.find('\n')));
+                      "machine's " + format_bytes(machine) + ": " + what);
   }
-}
-
-int64_t physical_memory() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
 }
 
 // Synthetic images are made in float (the image and its noise: 8 bytes a pixel) and kept as

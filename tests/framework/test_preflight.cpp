@@ -70,6 +70,23 @@ TEST(Preflight, ABudgetBelowTheHeldBytesIsRefusedByCheckAndTrainBeforeAnyWork) {
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
+TEST(Preflight, AModelLargerThanTheMachineIsAConfigErrorNamingTheKeyAndTheBytes) {
+  // 2x2 images keep the first layer small (4 x 300000 floats); the hidden layer asks 335 GiB.
+  TempDir dir;
+  const std::string out = dir.file("out");
+  write_text(dir.file("run.toml"), tiny_config(out));
+  for (const std::string cmd : {"check", "train"}) {
+    auto r = run_cli(cmd + " " + dir.file("run.toml") + " --set data.image_size=2 --set model.width=300000");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("run.toml: model: the sizes it sets need more memory than this machine's"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("tried to allocate 335.3 GiB"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("run.memory_budget"), std::string::npos) << "no budget was set: " << r.output;
+    EXPECT_EQ(r.output.find("frame #"), std::string::npos) << "no allocator trace: " << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out)) << "no work may start on bad input";
+}
+
 TEST(Preflight, CheckRefusesAnOutputFolderThatCannotBeMadeAndLeavesNothingBehind) {
   TempDir dir;
   write_text(dir.file("file"), "x");
