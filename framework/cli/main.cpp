@@ -16,6 +16,7 @@
 #include "train.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
+#include "frugal/preflight.h"
 #include "frugal/progress.h"
 #include "frugal/run.h"
 
@@ -42,6 +43,7 @@ int run_check(const Common& opt, spdlog::logger& log) {
   // config names.
   const frugal::ConfigWithPlugins loaded = frugal::load_config_with_plugins(opt.config, opt.sets);
   const frugal::Config& cfg = loaded.config;
+  frugal::preflight(cfg, loaded.host->loaded());  // the folder, freeze prefixes, the budget
   log.info("{}: OK ({} stage(s), model {}, dataset {}, plugins: {})", opt.config, cfg.stages.size(),
            cfg.model.arch, cfg.data.dataset, joined(loaded.host->loaded()));
   return 0;

@@ -18,7 +18,7 @@
 // techniques): each measured median carries its spread, (p90 - p10) / median / sqrt(steady
 // batches), and a combination's prediction the spreads of the medians it multiplies. A
 // combination is clearly faster than another when the log of their step times' ratio passes twice
-// their combined spread (the root of their squared spreads).
+// its spread (from the medians the two do not share).
 // The proposal starts from the simplest combination that fits (fewest techniques, then smallest
 // predicted peak: memory, which is stable) and moves only to clearly faster ones, so noise that
 // masks the differences leaves it where memory puts it and two plans of the same config
@@ -76,14 +76,16 @@ int64_t batch_bytes_of(const ChildResult& r) {
 double step_of(const ChildResult& r) {
   return r.report["fit"]["step_seconds"].value("median", 0.0);
 }
-/// The relative uncertainty of a run's median step time from `steady` batches: the p10-p90
-/// range over the median, shrunk by the square root of the batches it was taken from.
+/// The relative uncertainty of a run's median step time: the p10-p90 range over the median,
+/// shrunk by the square root of the timed batches it was taken from (`steady` when the report
+/// does not say: the thread tuner may lengthen the warm-up).
 double spread_of(const ChildResult& r, int64_t steady) {
   const json& t = r.report["fit"]["step_seconds"];
   const double median = t.value("median", 0.0);
   if (median <= 0) return 0;
+  const int64_t n = t.value("count", steady);
   return (t.value("p90", median) - t.value("p10", median)) / median /
-         std::sqrt(static_cast<double>(std::max<int64_t>(steady, 1)));
+         std::sqrt(static_cast<double>(std::max<int64_t>(n, 1)));
 }
 
 }  // namespace
@@ -236,17 +238,29 @@ std::vector<Candidate> predict_all(const PlanInputs& in, const Measured& m) {
   return all;
 }
 
-/// A clearly faster than B: the log of their predicted step times' ratio passes twice their
-/// combined spread.
-bool clearly_faster(const Candidate& a, const Candidate& b) {
-  return a.step > 0 && b.step > 0 && std::log(b.step / a.step) > 2 * std::hypot(a.spread, b.spread);
+/// A clearly faster than B: the log of their predicted step times' ratio passes twice its
+/// spread. Both multiply the same measured medians, so only those they do not share count: the
+/// techniques on in one of them, and the baseline's, which enters with power 1 - k.
+bool clearly_faster(const Candidate& a, const Candidate& b, const PlanInputs& in, const Measured& m) {
+  if (a.step <= 0 || b.step <= 0) return false;
+  double var = 0;
+  for (size_t j = 0; j < in.t.techniques.size(); ++j) {
+    const auto on = [&](const Candidate& c) {
+      return std::find(c.on.begin(), c.on.end(), in.t.techniques[j]) != c.on.end();
+    };
+    if (on(a) != on(b)) var += m.fits[j + 1].spread * m.fits[j + 1].spread;
+  }
+  const double dk = static_cast<double>(a.on.size()) - static_cast<double>(b.on.size());
+  var += dk * dk * m.fits[0].spread * m.fits[0].spread;
+  return std::log(b.step / a.step) > 2 * std::sqrt(var);
 }
 
 /// The proposal among the combinations predicted to fit (null when none does): the simplest
 /// (fewest techniques, then smallest predicted peak), replaced by the simplest clearly faster
 /// one for as long as there is one. `close` gets the fitting combinations predicted faster than
 /// the proposal but not clearly: too close to call.
-const Candidate* propose(const std::vector<Candidate>& all, std::vector<const Candidate*>& close) {
+const Candidate* propose(const std::vector<Candidate>& all, const PlanInputs& in, const Measured& m,
+                         std::vector<const Candidate*>& close) {
   const auto simpler = [](const Candidate& x, const Candidate& y) {
     if (x.on.size() != y.on.size()) return x.on.size() < y.on.size();
     if (x.peak != y.peak) return x.peak < y.peak;
@@ -260,7 +274,7 @@ const Candidate* propose(const std::vector<Candidate>& all, std::vector<const Ca
   for (;;) {  // each move lowers the step time: it ends
     const Candidate* next = nullptr;
     for (const auto& c : all)
-      if (c.fits && clearly_faster(c, *best) && (!next || simpler(c, *next))) next = &c;
+      if (c.fits && clearly_faster(c, *best, in, m) && (!next || simpler(c, *next))) next = &c;
     if (!next) break;
     best = next;
   }
@@ -409,7 +423,7 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
   const Measured m = measure_all(a, in, exe, log);
   std::vector<Candidate> all = predict_all(in, m);
   std::vector<const Candidate*> close;
-  const Candidate* best = propose(all, close);
+  const Candidate* best = propose(all, in, m, close);
   json out = plan_header(a, in, m);
   verify(a, in, exe, all, best, log);
 

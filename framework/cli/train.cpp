@@ -13,6 +13,7 @@
 #include "frugal/distributed.h"
 #include "frugal/frugal.h"
 #include "frugal/plugin_host.h"
+#include "frugal/preflight.h"
 #include "frugal/progress.h"
 #include "frugal/run.h"
 #include "frugal/run_folder.h"
@@ -274,7 +275,10 @@ std::optional<int> launch_if_asked(const TrainArgs& a, spdlog::logger& log) {
                       std::getenv("RANK") + " of a launched run (WORLD_SIZE is set): use "
                       "torchrun or --nproc, not both");
   if (a.nproc == 1) return std::nullopt;
-  load_config_with_plugins(a.config, a.sets);  // a bad config fails once, before any rank
+  {  // a bad config fails once, before any rank
+    const ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
+    preflight(loaded.config, loaded.host->loaded());
+  }
   return launch_local(a.nproc, a.argv, log);
 }
 
@@ -301,6 +305,7 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   // `loaded` outlives the learner: what a plugin registered dies before its library.
   const ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
   const Config& cfg = loaded.config;
+  preflight(cfg, loaded.host->loaded());
   join_world(cfg, log);
   const World& world = World::get();
   std::optional<RunLock> lock;

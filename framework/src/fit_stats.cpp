@@ -78,7 +78,8 @@ nlohmann::json phases_json(const std::array<int64_t, 4>& peaks) {
 nlohmann::json step_seconds_json(const std::vector<double>& steps) {
   return {{"median", percentile(steps, 0.5)},
           {"p10", percentile(steps, 0.1)},
-          {"p90", percentile(steps, 0.9)}};
+          {"p90", percentile(steps, 0.9)},
+          {"count", steps.size()}};
 }
 
 // The step times after warm-up (the first batches of a stage allocate caches); a stage with no

@@ -23,6 +23,7 @@
 #include "frugal/registry.h"
 #include "frugal/run.h"
 #include "frugal/version.h"
+#include "options_toml.h"
 #include "frugal_build_paths.h"  // generated: FRUGAL_PLUGIN_BUILD_DIR, FRUGAL_PLUGIN_INSTALL_DIR
 
 namespace fs = std::filesystem;
@@ -158,6 +159,7 @@ class WithEnabled : public Options {
     inner_.visit(v);
   }
   void check() const override { inner_.check(); }
+  std::string unknown_key_note(const std::string& key) const override { return inner_.unknown_key_note(key); }
 
  private:
   Options& inner_;
@@ -295,8 +297,9 @@ namespace {
 /// one missing symbols (built against another frugal or LibTorch), or the loader's reason alone.
 std::string load_advice(const std::string& path, const std::string& why) {
   char magic[4] = {};
-  std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
-  if (std::memcmp(magic, "\x7f" "ELF", 4) != 0)
+  std::ifstream f(path, std::ios::binary);
+  f.read(magic, sizeof magic);
+  if (f.gcount() == sizeof magic && std::memcmp(magic, "\x7f" "ELF", 4) != 0)
     return " (it is not a shared library: no ELF header; a plugin is built with frugal_add_plugin)";
   if (why.find("undefined symbol") != std::string::npos)
     return " (a plugin built against another frugal or LibTorch must be rebuilt against this one)";
@@ -389,9 +392,11 @@ std::vector<std::shared_ptr<Callback>> PluginHost::load(const toml::table& plugi
   return create_callbacks(wanted, relations);
 }
 
-/// The tables `enabled = false` turns off are read against their plugin's options too, so a
-/// typo does not wait for the day the plugin is turned on. A plugin that is not installed or
-/// does not load is left alone: turning it off is how a user sets it aside.
+/// The key names of the tables `enabled = false` turns off are checked against their plugin's
+/// options, so a typo does not wait for the day the plugin is turned on; their values are not
+/// (they may name what only a plugin that is on registers, and check() may want keys a user set
+/// aside). A plugin that is not installed, or does not load, is left alone: turning it off is how
+/// a user sets it aside.
 void PluginHost::check_disabled_options(const toml::table& plugins, const std::string& source) {
   std::vector<std::pair<std::string, fs::path>> found;
   for (auto&& [key, node] : plugins) {
@@ -402,13 +407,23 @@ void PluginHost::check_disabled_options(const toml::table& plugins, const std::s
     if (found.empty()) found = scan(search_path_);
     auto it = std::find_if(found.begin(), found.end(), [&](const auto& f) { return f.first == name; });
     if (it == found.end()) continue;
-    Wanted w{name, t, nullptr};
+    // The library outlives the options it made (their code is in it).
+    std::shared_ptr<Library> lib;
+    std::unique_ptr<Options> opts;
     try {
-      w.lib = Library::open(name, it->second.string(), libraries_);
-    } catch (const PluginError&) {
+      lib = Library::open(name, it->second.string(), libraries_);
+      opts = guarded("plugin '" + name + "': make_options", [&] { return lib->api->make_options(); });
+    } catch (const Error&) {
       continue;
     }
-    read_plugin_options(w, source);
+    if (!opts) continue;
+    WithEnabled all(*opts);
+    const std::vector<std::string> keys = detail::field_keys(all);
+    const std::string where = "plugins." + name;
+    for (auto&& [k, v] : *t)
+      if (!detail::contains(keys, k.str()))
+        detail::unknown_key(detail::key_location(k, v, source), std::string(k.str()), keys, where,
+                            "Allowed keys in [" + where + "]", all.unknown_key_note(std::string(k.str())));
   }
 }
 

@@ -6,6 +6,10 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <utility>
+
+#include <zlib.h>
 
 #include "frugal/data.h"
 #include "frugal/error.h"
@@ -25,35 +29,87 @@ bool matches(const std::string& name, const std::vector<std::string>& prefixes) 
                      [&](const std::string& p) { return name.rfind(p, 0) == 0; });
 }
 
-// Images held as uint8 [N, C, H, W] with int64 labels: the first `keep` of `n` (0 = all).
+// Samples held as uint8 images with int64 labels: the first `keep` of `n` (0 = all; head()).
 int64_t image_bytes(int64_t n, int64_t keep, int64_t pixels) {
   const int64_t kept = keep > 0 ? std::min(keep, n) : n;
   return kept * (pixels + static_cast<int64_t>(sizeof(int64_t)));
 }
 
+// The first stage that trains: what the first step runs.
 const StageOptions& first_stage(const Config& c) {
   static const StageOptions none;
+  for (const auto& s : c.stages)
+    if (s.epochs > 0) return s;
   return c.stages.empty() ? none : c.stages.front();
+}
+
+// Samples and bytes per sample from an IDX file's header (gzip'd or plain); {0, 0} when it
+// cannot be read (loading the data reports that, naming the file).
+std::pair<int64_t, int64_t> idx_samples(const std::string& path) {
+  gzFile f = ::gzopen(path.c_str(), "rb");
+  if (!f) return {0, 0};
+  unsigned char magic[4] = {};
+  std::pair<int64_t, int64_t> out{0, 0};
+  if (::gzread(f, magic, 4) == 4 && magic[0] == 0 && magic[1] == 0 && magic[3] >= 1 && magic[3] <= 4) {
+    int64_t dims[4] = {};
+    bool ok = true;
+    for (int i = 0; i < magic[3] && ok; ++i) {
+      unsigned char d[4];
+      ok = ::gzread(f, d, 4) == 4;
+      dims[i] = (int64_t{d[0]} << 24) | (d[1] << 16) | (d[2] << 8) | d[3];
+    }
+    int64_t per = 1;
+    for (int i = 1; i < magic[3]; ++i) per *= dims[i];
+    if (ok) out = {dims[0], per};
+  }
+  ::gzclose(f);
+  return out;
+}
+
+// The text corpus as text_dataset splits it (the last tenth validates) and head() cuts it.
+int64_t text_bytes(const DataOptions& d) {
+  int64_t n = 0;
+  std::error_code ec;
+  for (const auto& f : text_files(d.paths)) {
+    const auto size = fs::file_size(f, ec);
+    if (!ec) n += static_cast<int64_t>(size);
+  }
+  const int64_t n_valid = n / 10, n_train = n - n_valid;
+  const auto kept = [&](int64_t bytes, int64_t windows) {
+    return windows > 0 && windows * d.block_size + 1 < bytes ? windows * d.block_size + 1 : bytes;
+  };
+  return kept(n_train, d.train_samples) + (d.valid_samples < 0 ? 0 : kept(n_valid, d.valid_samples));
+}
+
+// The config the model is built for: Fashion-MNIST's images are 1x28x28 in 10 classes, whatever
+// the keys for synthetic data say.
+Config model_config(const Config& c) {
+  Config m = c;
+  if (c.data.dataset == "fashion-mnist") {
+    m.data.channels = 1;
+    m.data.image_size = 28;
+    m.data.classes = 10;
+  }
+  return m;
 }
 
 }  // namespace
 
 int64_t estimated_data_bytes(const Config& c) {
   const DataOptions& d = c.data;
-  const int64_t valid_keep = d.valid_samples;  // -1: no validation split is loaded
-  auto both = [&](int64_t train_n, int64_t valid_n, int64_t pixels) {
-    return image_bytes(train_n, d.train_samples, pixels) +
-           (valid_keep < 0 ? 0 : image_bytes(valid_n, valid_keep, pixels));
-  };
-  if (d.dataset == "fashion-mnist") return both(60000, 10000, 28 * 28);  // the dataset's splits
-  if (d.dataset == "synthetic")
-    return both(d.samples, std::max<int64_t>(d.samples / 4, 1), d.channels * d.image_size * d.image_size);
-  if (d.dataset == "text") {  // both splits together are the corpus, one byte a token
-    int64_t bytes = 0;
-    std::error_code ec;
-    for (const auto& f : text_files(d.paths)) bytes += static_cast<int64_t>(fs::file_size(f, ec));
-    return bytes;
+  if (d.dataset == "fashion-mnist") {
+    const auto split = [&](bool train, int64_t keep) {
+      const auto [n, pixels] = idx_samples(d.path + "/" + (train ? "train" : "t10k") + "-images-idx3-ubyte.gz");
+      return image_bytes(n, keep, pixels);
+    };
+    return split(true, d.train_samples) + (d.valid_samples < 0 ? 0 : split(false, d.valid_samples));
   }
+  if (d.dataset == "synthetic") {
+    const int64_t pixels = d.channels * d.image_size * d.image_size;
+    return image_bytes(d.samples, d.train_samples, pixels) +
+           (d.valid_samples < 0 ? 0 : image_bytes(std::max<int64_t>(d.samples / 4, 1), d.valid_samples, pixels));
+  }
+  if (d.dataset == "text") return text_bytes(d);
   return 0;
 }
 
@@ -62,23 +118,25 @@ namespace {
 HeldBytes held_bytes(const Config& c, torch::nn::Module& model) {
   HeldBytes h;
   const StageOptions& stage = first_stage(c);
-  std::vector<torch::Tensor> trained;
+  std::set<const void*> seen;  // a tied weight is one tensor
+  TrainableBytes trained;
   for (const auto& np : model.named_parameters()) {
-    const int64_t bytes = np.value().numel() * static_cast<int64_t>(np.value().element_size());
+    if (!seen.insert(np.value().unsafeGetTensorImpl()).second) continue;
+    const int64_t bytes = tensor_bytes(np.value());
     h.parameters += bytes;
     if (matches(np.key(), stage.freeze)) continue;
-    h.gradients += bytes;
-    trained.push_back(np.value());
+    trained.total += bytes;
+    trained.largest = std::max(trained.largest, bytes);
   }
-  // The state an optimizer makes is known once it has stepped: one step on zero gradients.
+  for (const auto& b : model.buffers())
+    if (seen.insert(b.unsafeGetTensorImpl()).second) h.buffers += tensor_bytes(b);
+  h.gradients = trained.total;
+  // What the optimizer's first step makes, as its registry entry says (what the micro-batch
+  // probe uses); an entry without step_needs: one copy of the trained parameters.
   const OptimizerOptions& o = stage.has_optimizer ? stage.optimizer : c.optimizer;
   h.optimizer = o.name;
-  if (!trained.empty()) {
-    for (auto& p : trained) p.mutable_grad() = torch::zeros_like(p);
-    std::unique_ptr<torch::optim::Optimizer> opt = make_optimizer(o, trained);
-    opt->step();
-    h.optimizer_state = optimizer_state_bytes(*opt);
-  }
+  const auto needs = optimizers().get(o.name).make.step_needs;
+  h.optimizer_state = needs ? needs(o, trained).state : trained.total;
   h.data = estimated_data_bytes(c);
   h.data_on_device = resolve_device(c.run.device).is_cpu();
   return h;
@@ -87,7 +145,8 @@ HeldBytes held_bytes(const Config& c, torch::nn::Module& model) {
 }  // namespace
 
 HeldBytes estimate_held_bytes(const Config& c) {
-  torch::nn::Sequential model = make_config_model(c);
+  torch::NoGradGuard no_grad;
+  torch::nn::Sequential model = make_config_model(model_config(c));
   return held_bytes(c, *model);
 }
 
@@ -127,12 +186,12 @@ void check_out_dir(const Config& c) {
   fs::remove(probe, ec);
 }
 
-void preflight(const Config& c) {
+void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
   check_out_dir(c);
   if (c.data.dataset != "fashion-mnist" && c.data.dataset != "synthetic" && c.data.dataset != "text")
     return;  // a plugin's dataset: the model's shapes come from the data, known only once loaded
   torch::NoGradGuard no_grad;
-  torch::nn::Sequential model = make_config_model(c);
+  torch::nn::Sequential model = make_config_model(model_config(c));
   try {
     check_freeze_prefixes(*model, c.stages);
   } catch (const ConfigError& e) {
@@ -141,11 +200,19 @@ void preflight(const Config& c) {
   const int64_t budget = c.run.memory_budget.bytes;
   if (budget <= 0) return;
   const HeldBytes h = held_bytes(c, *model);
-  if (h.total() <= budget) return;
-  std::string parts = "parameters " + format_bytes(h.parameters) + ", gradients " +
-                      format_bytes(h.gradients) + ", optimizer state (" + h.optimizer + ") " +
-                      format_bytes(h.optimizer_state);
+  std::string parts = "parameters " + format_bytes(h.parameters);
+  if (h.buffers) parts += ", buffers " + format_bytes(h.buffers);
   if (h.data_on_device) parts += ", data " + format_bytes(h.data);
+  if (!plugins_on.empty()) {  // a plugin may change the first step: only what precedes it
+    if (h.before_training() <= budget) return;
+    throw ConfigError(c.source + ": run.memory_budget = " + format_bytes(budget) +
+                      " is below what the run holds before its first batch, estimated from the "
+                      "config's shapes: " + parts + " = " + format_bytes(h.before_training()) +
+                      "; raise the budget or shrink the model or data");
+  }
+  if (h.total() <= budget) return;
+  parts += ", gradients " + format_bytes(h.gradients) + ", optimizer state (" + h.optimizer + ") " +
+           format_bytes(h.optimizer_state);
   throw ConfigError(c.source + ": run.memory_budget = " + format_bytes(budget) +
                     " is below what the run holds at its first step, estimated from the "
                     "config's shapes: " + parts + " = " + format_bytes(h.total()) +

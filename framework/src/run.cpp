@@ -16,7 +16,6 @@
 #include "frugal/error.h"
 #include "frugal/memory.h"
 #include "frugal/model_export.h"
-#include "frugal/preflight.h"
 #include "frugal/registry.h"
 #include "frugal/threads.h"
 #include "frugal/trace.h"
@@ -50,9 +49,12 @@ auto named(const Config& c, const std::string& key, F&& f) -> decltype(f()) {
         what.find("out of memory") == std::string::npos)
       throw;
     what = what.substr(0, what.find('\n'));
-    if (guard) what = what.substr(0, what.find(" of budget"));  // the budget is the machine's here
+    if (!guard)
+      throw ConfigError(c.source + ": " + key + ": the sizes it sets need more memory than there "
+                        "is: " + what);
     throw ConfigError(c.source + ": " + key + ": the sizes it sets need more memory than this "
-                      "machine's " + format_bytes(machine) + ": " + what);
+                      "machine's " + format_bytes(machine) + ": " +
+                      what.substr(0, what.find(" of budget")));  // the budget is the machine's
   }
 }
 
@@ -135,11 +137,13 @@ void check_config(const Config& c) {
       throw ConfigError(c.source + ": data.path: " + e.what());
     }
   }
+  if (c.data.dataset == "synthetic" || c.data.dataset == "text") {
+    // Cheap to build the model for the configured shape: catches e.g. a vit patch that does
+    // not divide the image size before any data is loaded.
+    torch::NoGradGuard g;
+    named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
+  }
   resolve_device(c.run.device);
-  // The output folder, the freeze prefixes and the budget against the bytes the model,
-  // optimizer and data will hold: the model is cheap to build for the configured shape, and
-  // that catches e.g. a vit patch that does not divide the image size before any data is loaded.
-  preflight(c);
 }
 
 namespace {

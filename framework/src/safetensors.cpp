@@ -88,11 +88,13 @@ std::string header(const std::vector<std::pair<std::string, torch::Tensor>>& ten
 void write(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
            const std::map<std::string, std::string>& metadata) {
   if (!little_endian()) throw Error("cannot write '" + path + "': safetensors is little-endian");
-  std::vector<torch::Tensor> cpu;
+  // One tensor on the host at a time: its CRC first (the header precedes the data), then its
+  // bytes. A tensor already contiguous on the CPU is not copied.
+  const auto host = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU).contiguous(); };
   std::map<std::string, std::string> meta = metadata;
   for (const auto& [name, t] : tensors) {
-    cpu.push_back(t.detach().to(torch::kCPU).contiguous());
-    meta[kCrcPrefix + name] = crc_hex(cpu.back().data_ptr(), cpu.back().numel() * cpu.back().element_size());
+    const torch::Tensor c = host(t);
+    meta[kCrcPrefix + name] = crc_hex(c.data_ptr(), c.numel() * c.element_size());
   }
   const std::string text = header(tensors, meta, path);
   write_file_atomic(path, [&](const std::string& tmp) {
@@ -100,9 +102,11 @@ void write(const std::string& path, const std::vector<std::pair<std::string, tor
     const uint64_t n = text.size();
     f.write(reinterpret_cast<const char*>(&n), sizeof n);
     f.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const torch::Tensor& c : cpu)
+    for (const auto& [name, t] : tensors) {
+      const torch::Tensor c = host(t);
       f.write(static_cast<const char*>(c.data_ptr()),
               static_cast<std::streamsize>(c.numel() * c.element_size()));
+    }
     f.flush();
     if (!f) throw Error("cannot write '" + tmp + "' (disk full?)");
   });
@@ -194,7 +198,9 @@ std::map<std::string, torch::Tensor> read(const std::string& path,
                             "the file's other tensors have" + seal::kDamageAdvice);
     if (crc->second != crc_hex(data + span.first, span.second - span.first))
       throw CheckpointError("'" + path + "' is damaged: the bytes of tensor '" + name +
-                            "' do not match their checksum" + seal::kDamageAdvice);
+                            "' do not match their checksum" + seal::kDamageAdvice +
+                            " (a file another tool rewrote keeps frugal's checksums only if its "
+                            "tensors are unchanged: drop the frugal.crc32.* metadata)");
   }
   if (metadata)  // the checksums are the file's own business
     for (auto& [k, v] : meta)

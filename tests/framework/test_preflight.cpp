@@ -4,6 +4,7 @@
 
 #include "cli_support.h"
 #include "frugal/config.h"
+#include "frugal/data.h"
 #include "frugal/error.h"
 #include "frugal/optimizers.h"
 #include "frugal/preflight.h"
@@ -26,26 +27,68 @@ int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * t.el
 int64_t dataset_bytes(const Dataset& d) { return bytes_of(d.images) + bytes_of(d.labels) + bytes_of(d.tokens); }
 
 TEST(Preflight, TheEstimateFromShapesIsWhatARealRunHolds) {
-  TempDir dir;
-  const Config c = parse_config(tiny_config(dir.file("out")), "tiny.toml");
-  const HeldBytes h = estimate_held_bytes(c);
+  for (const std::string arch : {"mlp", "cnn"}) {  // cnn: BatchNorm buffers
+    TempDir dir;
+    std::string text = tiny_config(dir.file("out"));
+    if (arch == "cnn") {
+      text.replace(text.find("\"mlp\""), 5, "\"cnn\"");
+      text.replace(text.find("[\"stem\"]"), 8, "[\"features1\"]");
+    }
+    const Config c = parse_config(text, "tiny.toml");
+    const std::string frozen = arch == "cnn" ? "features1" : "stem";
+    const HeldBytes h = estimate_held_bytes(c);
 
-  auto learner = make_learner(c);
-  learner->fit(c.stages);  // one step: gradients and Adam's state exist
-  int64_t params = 0, trained = 0;
-  for (const auto& np : learner->model()->named_parameters()) {
-    params += bytes_of(np.value());
-    if (np.key().rfind("stem", 0) != 0) trained += bytes_of(np.value());
+    auto learner = make_learner(c);
+    learner->fit(c.stages);  // one step: gradients and Adam's state exist
+    int64_t params = 0, buffers = 0, trained = 0;
+    for (const auto& np : learner->model()->named_parameters()) {
+      params += bytes_of(np.value());
+      if (np.key().rfind(frozen, 0) != 0) trained += bytes_of(np.value());
+    }
+    for (const auto& b : learner->model()->buffers()) buffers += bytes_of(b);
+    EXPECT_EQ(h.parameters, params) << arch;
+    EXPECT_EQ(h.buffers, buffers) << arch;
+    EXPECT_EQ(arch == "cnn", buffers > 0) << arch;
+    EXPECT_EQ(h.gradients, trained) << arch << ": the first stage's frozen block has no gradients";
+    EXPECT_EQ(h.optimizer, "adam");
+    EXPECT_EQ(h.optimizer_state, optimizer_state_bytes(learner->optimizer())) << arch;
+    EXPECT_EQ(h.optimizer_state, 2 * trained) << arch << ": Adam, two moments per trained parameter";
+    ASSERT_NE(learner->valid_data(), nullptr);
+    EXPECT_EQ(h.data, dataset_bytes(learner->train_data().dataset()) +
+                          dataset_bytes(learner->valid_data()->dataset())) << arch;
+    EXPECT_TRUE(h.data_on_device);
   }
-  EXPECT_EQ(h.parameters, params);
-  EXPECT_EQ(h.gradients, trained) << "the first stage freezes stem: its gradients are not counted";
-  EXPECT_EQ(h.optimizer, "adam");
-  EXPECT_EQ(h.optimizer_state, optimizer_state_bytes(learner->optimizer()));
-  EXPECT_EQ(h.optimizer_state, 2 * trained) << "Adam: two moments per trained parameter";
-  ASSERT_NE(learner->valid_data(), nullptr);
-  EXPECT_EQ(h.data, dataset_bytes(learner->train_data().dataset()) +
-                        dataset_bytes(learner->valid_data()->dataset()));
-  EXPECT_TRUE(h.data_on_device);
+}
+
+TEST(Preflight, FashionMnistAndTextAreEstimatedFromTheirFilesAsTheyAreLoaded) {
+  TempDir dir;
+  // A small Fashion-MNIST-shaped set (IDX files as Debian ships them) and a text corpus.
+  std::filesystem::create_directories(dir.file("fm"));
+  for (const auto& [split, n] : {std::pair<std::string, int64_t>{"train", 40}, {"t10k", 12}}) {
+    write_idx(dir.file("fm/" + split + "-images-idx3-ubyte.gz"), torch::zeros({n, 28, 28}, torch::kUInt8));
+    write_idx(dir.file("fm/" + split + "-labels-idx1-ubyte.gz"), torch::zeros({n}, torch::kUInt8));
+  }
+  write_text(dir.file("corpus.txt"), std::string(5000, 'a'));
+  const std::string base = "[run]\nout_dir = \"" + dir.file("out") + "\"\nprogress = \"none\"\n";
+  for (const std::string data :
+       {"[data]\ndataset = \"fashion-mnist\"\npath = \"" + dir.file("fm") + "\"\nimage_size = 32\nchannels = 3\n",
+        "[data]\ndataset = \"fashion-mnist\"\npath = \"" + dir.file("fm") + "\"\ntrain_samples = 16\nvalid_samples = -1\n",
+        "[data]\ndataset = \"text\"\npaths = [\"" + dir.file("corpus.txt") + "\"]\nblock_size = 16\n",
+        "[data]\ndataset = \"text\"\npaths = [\"" + dir.file("corpus.txt") + "\"]\nblock_size = 16\n"
+        "train_samples = 10\nvalid_samples = 2\n"}) {
+    const std::string model = data.find("text") != std::string::npos
+                                  ? "[model]\narch = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 8\n"
+                                  : "[model]\narch = \"mlp\"\nwidth = 8\ndepth = 1\n";
+    const Config c = parse_config(base + data + model, "data.toml");
+    auto learner = make_learner(c);
+    int64_t held = dataset_bytes(learner->train_data().dataset());
+    if (learner->valid_data()) held += dataset_bytes(learner->valid_data()->dataset());
+    EXPECT_EQ(estimated_data_bytes(c), held) << data;
+    // The model is built for the data (Fashion-MNIST: 1x28x28, whatever data.image_size says).
+    int64_t params = 0;
+    for (const auto& p : learner->model()->parameters()) params += bytes_of(p);
+    EXPECT_EQ(estimate_held_bytes(c).parameters, params) << data;
+  }
 }
 
 TEST(Preflight, ABudgetBelowTheHeldBytesIsRefusedByCheckAndTrainBeforeAnyWork) {
@@ -129,7 +172,9 @@ TEST(Preflight, ADisabledPluginsOptionsAreCheckedToo) {
   // Without the typo the config passes: a plugin that is not installed and turned off is ignored.
   write_text(dir.file("ok.toml"), tiny_config(dir.file("out")) +
                                       "[plugins.detach_loss]\nenabled = false\n"
-                                      "[plugins.not_installed]\nenabled = false\nwhatever = 2\n");
+                                      "[plugins.not_installed]\nenabled = false\nwhatever = 2\n"
+                                      // Set aside with no trigger: its values wait until it is on.
+                                      "[plugins.optim_swap]\nenabled = false\n");
   r = run_cli("check " + dir.file("ok.toml"));
   EXPECT_EQ(r.exit_code, 0) << r.output;
 }

@@ -13,6 +13,7 @@
 #include "frugal/micro_batch.h"
 #include "frugal/optimizers.h"
 #include "frugal/options.h"
+#include "frugal/preflight.h"
 #include "frugal/progress.h"
 #include "frugal/registry.h"
 #include "frugal/report.h"

@@ -65,9 +65,9 @@ class PluginHost {
   /// off), checks conflicts, runs on_load (so a plugin's option table may name an optimizer
   /// another plugin registers), validates each table against the plugin's options, creates
   /// the callbacks, then checks ordering needs (runs_before needs each callback's order()).
-  /// A table turned off is still read against its plugin's options when the plugin is
-  /// installed (a typo is found before the day it is turned on). Everything is checked before any callback is returned; the callbacks come sorted by
-  /// order(). `[plugins] path` folders join the search path. Throws PluginError
+  /// A table turned off has its key names checked against its plugin's options when the
+  /// plugin is installed (a typo is found before the day it is turned on). Everything is
+  /// checked before any callback is returned; the callbacks come sorted by order(). `[plugins] path` folders join the search path. Throws PluginError
   /// (not found: lists the available plugins and the folders searched; not a frugal plugin;
   /// ABI or LibTorch mismatch with both versions; a factory that throws; a conflict or order
   /// violation) or ConfigError (an option, with file:line:column). `source` names the TOML

@@ -14,7 +14,9 @@ torch::Device resolve_device(const std::string& device);
 
 /// Checks what the config names against the registries (dataset, model, loss) and that the
 /// model can be built for the stages' image sizes, without loading data. Throws ConfigError
-/// naming the file and key.
+/// naming the file and key. What needs more (the output folder, freeze prefixes, the memory
+/// budget against the bytes the run will hold) is preflight() (frugal/preflight.h), which
+/// `frugal check` and `frugal train` run too.
 void check_config(const Config& c);
 
 /// Loads the data, builds the model, loss and optimizer: a Learner ready to fit(c.stages).
