@@ -25,6 +25,18 @@ namespace fs = std::filesystem;
 
 namespace {
 
+/// "File too large writing 'x' (the file size limit, RLIMIT_FSIZE or ulimit -f, was reached)":
+/// errno `err` met while `doing`, and for a full disk or the size limit which one it was.
+std::string failure(int err, const std::string& doing) {
+  std::string why = std::strerror(err);
+  if (!doing.empty()) why += " " + doing;
+  if (err == EFBIG)
+    why += " (the file size limit, RLIMIT_FSIZE or ulimit -f, was reached)";
+  else if (err == ENOSPC || err == EDQUOT)
+    why += " (the disk is full: make room, or write the run elsewhere)";
+  return why;
+}
+
 void fsync_dir(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;
@@ -35,26 +47,19 @@ void fsync_dir(const std::string& path) {
 /// The written file's bytes on the disk: an error here (ENOSPC, EIO) means they may not be.
 void sync_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(write_failure(errno) + " (opening '" + path + "' to sync it)");
+  if (fd < 0) throw Error(failure(errno, "opening '" + path + "' to sync it"));
   const int rc = ::fsync(fd), err = errno;
   ::close(fd);
-  if (rc != 0) throw Error(write_failure(err) + " (syncing '" + path + "')");
+  if (rc != 0) throw Error(failure(err, "syncing '" + path + "'"));
 }
 
 }  // namespace
 
-std::string write_failure(int err) {
-  std::string why = std::strerror(err);
-  if (err == EFBIG)
-    why += " (the file size limit, RLIMIT_FSIZE or ulimit -f, was reached)";
-  else if (err == ENOSPC || err == EDQUOT)
-    why += " (the disk is full: make room, or write the run elsewhere)";
-  return why;
-}
+std::string write_failure(int err) { return failure(err, ""); }
 
 FileWriter::FileWriter(std::string path) : path_(std::move(path)) {
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) throw Error(write_failure(errno) + " (creating '" + path_ + "')");
+  if (fd_ < 0) throw Error(failure(errno, "creating '" + path_ + "'"));
 }
 
 FileWriter::~FileWriter() {
@@ -83,7 +88,7 @@ bool FileWriter::write(const void* data, size_t n) {
 void FileWriter::finish() {
   if (fd_ >= 0 && ::close(fd_) != 0) fail(errno);
   fd_ = -1;
-  if (error_ != 0) throw Error(write_failure(error_) + " (writing '" + path_ + "')");
+  if (error_ != 0) throw Error(failure(error_, "writing '" + path_ + "'"));
 }
 
 void write_file_atomic(const std::string& path, const std::function<void(const std::string&)>& write) {
@@ -96,9 +101,9 @@ void write_file_atomic(const std::string& path, const std::function<void(const s
     throw;
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = write_failure(errno);
+    const std::string why = failure(errno, "renaming '" + tmp + "' to '" + path + "'");
     std::remove(tmp.c_str());
-    throw Error(why + " (renaming '" + tmp + "' to '" + path + "')");
+    throw Error(why);
   }
   const fs::path parent = fs::path(path).parent_path();
   fsync_dir(parent.empty() ? "." : parent.string());
