@@ -51,9 +51,11 @@ int check_checkpoints(const std::vector<std::string>& files, const frugal::Confi
     try {
       const nlohmann::json p = frugal::Learner::read_checkpoint(f)["position"];
       learner->load(f, /*with_opt=*/false);
-      log.info("{}: OK (stage {} epoch {} batch {}, {} steps{})", f, p.value("stage", 0) + 1,
-               p.value("epoch", 0) + 1, p.value("batch", 0) + 1, p.value("steps", 0),
-               p.value("done", false) ? ", the fit's end" : "");
+      if (p.value("done", false))
+        log.info("{}: OK ({} steps; the fit's end)", f, p.value("steps", 0));
+      else
+        log.info("{}: OK ({} steps; resumes at stage {} epoch {} batch {})", f, p.value("steps", 0),
+                 p.value("stage", 0) + 1, p.value("epoch", 0) + 1, p.value("batch", 0) + 1);
     } catch (const std::exception& e) {
       log.error("{}", e.what());
       rc = 1;

@@ -52,15 +52,27 @@ bool run_completed(const std::string& out) {
   return report.is_object() && !report.contains("interrupted") && !report.contains("error");
 }
 
+/// checkpoints/last.ckpt; without it (killed between the first numbered checkpoint's rename
+/// and its link) the newest numbered checkpoint; "" when there is none.
+std::string newest_checkpoint(const Config& cfg, spdlog::logger& log) {
+  const std::string last = checkpoint_path(cfg.run);
+  std::error_code ec;
+  if (fs::exists(last, ec)) return last;
+  const auto numbered = CheckpointHistory(last, cfg.run.keep_checkpoints).numbered();
+  if (numbered.empty()) return "";
+  log.warn("--resume auto: {} is missing (the run was killed before it linked its first "
+           "checkpoint): continuing from the newest, {}", last, numbered.back());
+  return numbered.back();
+}
+
 /// `--resume auto`: the checkpoint of this config's unfinished run in run.out_dir, or "" when
 /// the folder holds no run. Refuses (ConfigError, naming the differing keys) a run of another
 /// config, and (Error) a finished run or results without a checkpoint.
 std::string auto_resume(const ConfigWithPlugins& loaded, spdlog::logger& log) {
   const Config& cfg = loaded.config;
   const std::string& out = cfg.run.out_dir;
-  const std::string ckpt = checkpoint_path(cfg.run);
-  std::error_code ec;
-  if (fs::exists(ckpt, ec)) {
+  const std::string ckpt = newest_checkpoint(cfg, log);
+  if (!ckpt.empty()) {
     const nlohmann::json rec = Learner::read_checkpoint(ckpt);
     try {
       check_resume_config(cfg, rec["info"], ckpt, loaded.host->keys_outside_training());

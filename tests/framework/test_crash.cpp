@@ -81,6 +81,24 @@ TEST(CrashCli, AKillAfterTheEndOfFitCheckpointResumesToWriteTheResults) {
   EXPECT_NE(r.output.find("has finished"), std::string::npos) << r.output;
 }
 
+TEST(CrashCli, AKillBeforeTheFirstCheckpointIsLinkedResumesFromTheNumberedFile) {
+  TempDir dir;
+  const std::string out = dir.file("run");
+  write_text(dir.file("run.toml"), growing_config(out));
+  const std::string keep = " --set run.keep_checkpoints=2 --set run.max_steps=2";
+  auto r = run_cli("train " + dir.file("run.toml") + keep);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The state between the first numbered file's rename and the link's: no last.ckpt.
+  fs::remove(out + "/checkpoints/last.ckpt");
+  for (const char* f : {"model.pt", "model.safetensors", "report.json", "report.md"})
+    fs::remove(out + "/" + f);
+  ASSERT_EQ(files_in(out + "/checkpoints"), std::vector<std::string>{"step-00000002.ckpt"});
+  r = run_cli("train " + dir.file("run.toml") + " --resume auto" + keep);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming from " + out + "/checkpoints/step-00000002.ckpt"),
+            std::string::npos) << r.output;
+}
+
 TEST(DiskFullCli, ACheckpointPastTheFileSizeLimitStopsTheRunAndThePreviousOneResumes) {
   TempDir dir;
   const std::string out = dir.file("run"), ref_out = dir.file("ref");
@@ -112,6 +130,15 @@ TEST(DiskFullCli, ACheckpointPastTheFileSizeLimitStopsTheRunAndThePreviousOneRes
   EXPECT_EQ(at["stage"], 0) << at.dump();
   const auto check = run_cli("check " + dir.file("run.toml") + " --checkpoint " + ckpt);
   EXPECT_EQ(check.exit_code, 0) << check.output;
+  EXPECT_NE(check.output.find(ckpt + ": OK (8 steps; resumes at stage 1 epoch 1 batch 9)"), std::string::npos)
+      << check.output;
+  // What the soak relies on: a cut checkpoint fails the check, naming it.
+  const std::string bytes = read_text(ckpt);
+  write_text(dir.file("cut.ckpt"), bytes.substr(0, bytes.size() / 2));
+  const auto cut = run_cli("check " + dir.file("run.toml") + " --checkpoint " + ckpt +
+                           " --checkpoint " + dir.file("cut.ckpt"));
+  EXPECT_EQ(cut.exit_code, 1) << cut.output;
+  EXPECT_NE(cut.output.find(dir.file("cut.ckpt")), std::string::npos) << cut.output;
 
   // Room again: the same command with --resume auto continues from it and finishes, with the
   // parameters of the run that never hit the limit.

@@ -36,7 +36,8 @@ class FileWriter {
   FileWriter& operator=(const FileWriter&) = delete;
   /// Writes all `n` bytes; false once the file could not take them.
   bool write(const void* data, size_t n);
-  /// Closes the file; throws Error("<cause> (writing '<path>')") if a write or the close failed.
+  /// Closes the file; throws Error("<cause> writing '<path>' (<which limit>)") if a write or
+  /// the close failed.
   void finish();
 
  private:
@@ -47,13 +48,15 @@ class FileWriter {
 };
 
 /// What errno `err` means to a writer: its strerror, and for a full disk or the file size
-/// limit which one it is ("File too large (the file size limit, RLIMIT_FSIZE or ulimit -f)").
+/// limit which one it is ("File too large (the file size limit, RLIMIT_FSIZE or ulimit -f, was
+/// reached)").
 std::string write_failure(int err);
 
 /// Writes `path` atomically: `write` fills a temp file beside it (given its path), which is
 /// fsync'd (checked: a full disk may first show there) and renamed over `path`, and the folder
 /// is fsync'd. A failure removes the temp file and leaves any existing `path` untouched; its
-/// Error says the cause and the step ("No space left on device ... (syncing '<tmp>')").
+/// Error says the cause and the step ("No space left on device syncing '<tmp>' (the disk is
+/// full: ...)").
 void write_file_atomic(const std::string& path, const std::function<void(const std::string& tmp)>& write);
 /// The same for a text; the Error begins "cannot write '<path>': ".
 void write_file_atomic(const std::string& path, const std::string& text);
