@@ -65,7 +65,7 @@ batch_size = 32
 valid_batch_size = 256
 [model]
 arch = "mlp"
-width = 512
+width = 256
 depth = 3
 dropout = 0.1
 [optimizer]
