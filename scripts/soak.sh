@@ -7,10 +7,11 @@
 # FRUGAL is the `frugal` binary (this script builds nothing). It trains a small synthetic MLP
 # (two stages, dropout, Adam; a checkpoint every 3 steps, 3 kept; validation every 8 batches)
 # once uninterrupted, then again with `--resume auto` (the requeue command), SIGKILLing each
-# life but the last. The kills aim in turn at a batch (a random moment), a checkpoint write
-# (the moment its temporary file appears, polled every millisecond) and a validation (the
-# moment an epoch's last batch is logged), each after a random delay of up to 0.3 s: random
-# timing alone seldom lands inside a write, which lasts a few milliseconds.
+# life but the last. The kills aim in turn at a batch (the moment one is logged while no write
+# is under way), a checkpoint write (the moment its temporary file appears, polled every
+# millisecond) and a validation (the moment an epoch's last batch is logged), each after a
+# random delay of up to 0.15 s: random timing alone seldom lands inside a write, which lasts
+# a few milliseconds, and a third of the time is spent writing checkpoints here.
 # After each kill it reports the phase the run was in (read from the run folder and the log),
 # checks every checkpoint left with `frugal check --checkpoint`, and at the end compares the
 # two runs' model.safetensors byte for byte.
@@ -45,7 +46,7 @@ fail() { echo "soak: FAIL: $*"; failures=$((failures + 1)); }
 
 # 8 batches an epoch; an epoch's validation (2048 samples) takes about as long as its training.
 # Long enough that every life but the last is killed before the run ends.
-epochs=$(( kills / 2 + 2 ))
+epochs=$(( kills / 2 + 3 ))
 batches=8
 cat > "$work/soak.toml" <<EOF
 [run]
@@ -65,7 +66,7 @@ batch_size = 32
 valid_batch_size = 256
 [model]
 arch = "mlp"
-width = 256
+width = 512
 depth = 3
 dropout = 0.1
 [optimizer]
@@ -134,6 +135,11 @@ follow() {
   while IFS= read -r -u "$logfd" line; do last=$line; done
 }
 at_validation() { follow; [[ $last == *" batch $batches/$batches "* ]]; }
+# Between batches of an epoch, no checkpoint being written: the next batch is starting.
+at_batch() {
+  follow
+  [[ $last == *" batch "[1-7]"/$batches "* ]] && ! compgen -G "$ckdir/*.tmp.$pid" > /dev/null
+}
 
 # The phase a killed life was in: a checkpoint's temporary file -> its write; a model file's
 # -> the final export; an epoch's last batch logged and nothing after -> its validation.
@@ -198,8 +204,9 @@ while :; do
   target=${targets[$(( killed % 3 ))]}
   # Training has started (the data is loaded; a resume has read its checkpoint).
   if wait_until "$pid" "grep -q '] training ' '$log'" 120; then
-    nap $(( RANDOM % 300 ))
+    nap $(( RANDOM % 150 ))
     case $target in
+      batch) wait_until "$pid" at_batch 2 ;;
       checkpoint-write) wait_until "$pid" "compgen -G '$ckdir/*.tmp.$pid' > /dev/null" 2 ;;
       validation) wait_until "$pid" at_validation 2 ;;
     esac
