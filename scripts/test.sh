@@ -18,7 +18,9 @@ if [ "${FRUGAL_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake --preset asan
   cmake --build --preset asan -j "$jobs"
   # The out-of-tree install test (label "install") is left out: it rebuilds a project outside
-  # the preset's flags. Everything else, fuzz, resume and hostile-input tests included, runs.
+  # the preset's flags; so is the crash soak (label "soak"): it SIGKILLs the CLI at moments it
+  # times, and the sanitized CLI's start-up would triple its minute. Everything else, fuzz,
+  # resume and hostile-input tests included, runs.
   ctest --preset asan -j "$jobs"
   echo "sanitizer build and tests: $(( $(date +%s) - start )) s"
 fi

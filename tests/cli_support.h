@@ -2,6 +2,7 @@
 // Runs the `frugal` CLI as a user would and captures what it prints.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -59,7 +60,9 @@ inline std::string read_text(const std::string& path) {
 
 /// A `frugal train` child whose output goes to `log`. Everything is prepared before fork: the
 /// child of a threaded process only calls async-signal-safe functions (no malloc) before exec.
-inline pid_t start_train(const std::vector<std::string>& args, const std::string& log) {
+/// `file_size_limit` (bytes): the child's RLIMIT_FSIZE, as `ulimit -f` would set it.
+inline pid_t start_train(const std::vector<std::string>& args, const std::string& log,
+                         rlim_t file_size_limit = RLIM_INFINITY) {
   std::filesystem::remove(log);  // an earlier run's marker must not count
   const std::string cli = cli_path();
   std::vector<char*> argv = {const_cast<char*>(cli.c_str())};
@@ -67,6 +70,10 @@ inline pid_t start_train(const std::vector<std::string>& args, const std::string
   argv.push_back(nullptr);
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
+  if (file_size_limit != RLIM_INFINITY) {
+    const struct rlimit limit = {file_size_limit, file_size_limit};
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) ::_exit(126);
+  }
   const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   ::dup2(fd, 1);
   ::dup2(fd, 2);

@@ -2,6 +2,8 @@
 // plan.cpp).
 #include <unistd.h>
 
+#include <csignal>
+
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -25,6 +27,7 @@ namespace {
 struct Common {
   std::string config;
   std::vector<std::string> sets;
+  std::vector<std::string> checkpoints;  // check only
 };
 
 void add_common(CLI::App* cmd, Common& c) {
@@ -38,6 +41,30 @@ std::string joined(const std::vector<std::string>& v) {
   return out.empty() ? "none" : out;
 }
 
+/// `check --checkpoint FILE`: each file's seal, resume record and weights load into the
+/// config's model (what a resume reads first). Exit code 1 if any does not.
+int check_checkpoints(const std::vector<std::string>& files, const frugal::ConfigWithPlugins& loaded,
+                      spdlog::logger& log) {
+  if (files.empty()) return 0;
+  auto learner = frugal::make_learner(loaded.config);
+  int rc = 0;
+  for (const auto& f : files) {
+    try {
+      const nlohmann::json p = frugal::Learner::read_checkpoint(f)["position"];
+      learner->load(f, /*with_opt=*/false);
+      if (p.value("done", false))
+        log.info("{}: OK ({} steps; the fit's end)", f, p.value("steps", 0));
+      else
+        log.info("{}: OK ({} steps; resumes at stage {} epoch {} batch {})", f, p.value("steps", 0),
+                 p.value("stage", 0) + 1, p.value("epoch", 0) + 1, p.value("batch", 0) + 1);
+    } catch (const std::exception& e) {
+      log.error("{}", e.what());
+      rc = 1;
+    }
+  }
+  return rc;
+}
+
 int run_check(const Common& opt, spdlog::logger& log) {
   // Plugins load first: they may register the optimizers, models, datasets or losses the
   // config names.
@@ -46,7 +73,7 @@ int run_check(const Common& opt, spdlog::logger& log) {
   frugal::preflight(cfg, loaded.host->loaded());  // the folder, freeze prefixes, the budget
   log.info("{}: OK ({} stage(s), model {}, dataset {}, plugins: {})", opt.config, cfg.stages.size(),
            cfg.model.arch, cfg.data.dataset, joined(loaded.host->loaded()));
-  return 0;
+  return check_checkpoints(opt.checkpoints, loaded, log);
 }
 
 int run_plugins(const std::vector<std::string>& paths, bool json) {
@@ -187,6 +214,9 @@ void add_commands(CLI::App& app, Args& a) {
   a.train_cmd = frugal::cli::add_train_command(app, a.train);
   a.check_cmd = app.add_subcommand("check", "validate a TOML file without training");
   add_common(a.check_cmd, a.check);
+  a.check_cmd->add_option("--checkpoint", a.check.checkpoints,
+                          "also load this checkpoint (its seal, resume record and weights) "
+                          "into the config's model (repeatable)");
   a.plugins_cmd = app.add_subcommand("plugins", "list the plugins found, with their options and defaults");
   a.plugins_cmd->add_flag("--json", a.plugins_json, "print JSON instead");
   a.plugins_cmd->add_option("--path", a.plugin_paths, "also search this folder (repeatable)");
@@ -235,6 +265,9 @@ int dispatch(const Args& a, const std::shared_ptr<spdlog::logger>& log, const ch
 int main(int argc, char** argv) {
   // Count every tensor the run makes.
   frugal::MemoryMeter::install();
+  // A write past the file size limit (RLIMIT_FSIZE) fails with EFBIG, reported with the file
+  // it was writing, instead of killing the process mid-checkpoint.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"frugal: train models that do not fit in memory, and measure what each technique buys"};
   Args args;
   add_commands(app, args);

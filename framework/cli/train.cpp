@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 
@@ -41,22 +42,45 @@ void prepare_folders(const Config& cfg) {
   ensure_writable_dir(checkpoint_dir(cfg));  // a stop writes a checkpoint, whatever the config
 }
 
+/// True when the run in `out` wrote its results: model.pt, and a report that says neither
+/// "interrupted" nor "error". A run killed after its end-of-fit checkpoint but before these
+/// (or while writing them) is resumed from that checkpoint, which writes them.
+bool run_completed(const std::string& out) {
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::path(out) / "model.pt", ec)) return false;
+  std::ifstream f(fs::path(out) / "report.json");
+  const nlohmann::json report = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  return report.is_object() && !report.contains("interrupted") && !report.contains("error");
+}
+
+/// checkpoints/last.ckpt; without it (killed between the first numbered checkpoint's rename
+/// and its link) the newest numbered checkpoint; "" when there is none.
+std::string newest_checkpoint(const Config& cfg, spdlog::logger& log) {
+  const std::string last = checkpoint_path(cfg.run);
+  std::error_code ec;
+  if (fs::exists(last, ec)) return last;
+  const auto numbered = CheckpointHistory(last, cfg.run.keep_checkpoints).numbered();
+  if (numbered.empty()) return "";
+  log.warn("--resume auto: {} is missing (the run was killed before it linked its first "
+           "checkpoint): continuing from the newest, {}", last, numbered.back());
+  return numbered.back();
+}
+
 /// `--resume auto`: the checkpoint of this config's unfinished run in run.out_dir, or "" when
 /// the folder holds no run. Refuses (ConfigError, naming the differing keys) a run of another
 /// config, and (Error) a finished run or results without a checkpoint.
 std::string auto_resume(const ConfigWithPlugins& loaded, spdlog::logger& log) {
   const Config& cfg = loaded.config;
   const std::string& out = cfg.run.out_dir;
-  const std::string ckpt = checkpoint_path(cfg.run);
-  std::error_code ec;
-  if (fs::exists(ckpt, ec)) {
+  const std::string ckpt = newest_checkpoint(cfg, log);
+  if (!ckpt.empty()) {
     const nlohmann::json rec = Learner::read_checkpoint(ckpt);
     try {
       check_resume_config(cfg, rec["info"], ckpt, loaded.host->keys_outside_training());
     } catch (const ConfigError& e) {
       throw ConfigError("--resume auto: '" + out + "' holds a run of another config: " + e.what());
     }
-    if (rec["position"].value("done", false))
+    if (rec["position"].value("done", false) && run_completed(out))
       throw Error("--resume auto: the run in '" + out + "' has finished (" + ckpt + " is its "
                   "end): nothing is left to train. Give a new run another run.out_dir, or "
                   "replace this one with --overwrite");
@@ -292,6 +316,10 @@ std::string claim_run_folder(const TrainArgs& a, const ConfigWithPlugins& loaded
   const Config& cfg = loaded.config;
   prepare_folders(cfg);
   lock.emplace(cfg.run.out_dir);
+  const auto unfinished = remove_unfinished_files(cfg.run.out_dir, checkpoint_dir(cfg));
+  if (!unfinished.empty())
+    log.warn("removed {} unfinished file(s) an earlier run left when it was killed mid-write "
+             "(the completed files are untouched): {}", unfinished.size(), joined(unfinished));
   const std::string checkpoint = resume_point(a, loaded, log);
   world.store_set("frugal/checkpoint", checkpoint);
   return checkpoint;

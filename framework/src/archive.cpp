@@ -150,15 +150,26 @@ void write_file(OutputArchive& a, const std::string& path) {
   try {
     if (target.has_parent_path()) std::filesystem::create_directories(target.parent_path());
     write_file_atomic(path, [&](const std::string& tmp) {
-      a.save_to(tmp);
+      // Through a descriptor, not save_to(tmp): LibTorch's file writer does not say why a
+      // write failed. LibTorch is never told of a failure: after one, its writer's destructor
+      // writes the archive's end, fails again and terminates the process (pytorch#87997,
+      // #156955). The first failure is kept (later writes do nothing); finish() throws it.
+      FileWriter out(tmp);
+      a.save_to([&](const void* data, size_t n) {
+        out.write(data, n);
+        return n;
+      });
+      out.finish();
       seal::seal_zip(tmp);  // the CRC32 open() checks, before the rename
     });
   } catch (const c10::Error& e) {
     throw CheckpointError("cannot write checkpoint '" + path + "': " + first_line(e.what_without_backtrace()));
   } catch (const std::filesystem::filesystem_error& e) {
     throw CheckpointError("cannot write checkpoint '" + path + "': " + e.code().message());
+  } catch (const CheckpointError&) {
+    throw;
   } catch (const Error& e) {
-    throw CheckpointError(e.what());
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + e.what());
   }
 }
 

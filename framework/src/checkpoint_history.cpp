@@ -40,7 +40,11 @@ std::string CheckpointHistory::write(Learner& l, const nlohmann::json& info) {
   // writes); only rank 0 touches the folder.
   const bool main = World::get().is_main();
   if (main && last.has_parent_path()) fs::create_directories(last.parent_path());
-  l.save_checkpoint(file, info);
+  try {
+    l.save_checkpoint(file, info);
+  } catch (const CheckpointError& e) {
+    throw CheckpointError(std::string(e.what()) + where_it_stopped(l));
+  }
   if (!main) {
     written_at_ = l.iteration();
     return file;
@@ -49,6 +53,25 @@ std::string CheckpointHistory::write(Learner& l, const nlohmann::json& info) {
   prune(file);
   written_at_ = l.iteration();
   return file;
+}
+
+// ", at step 12 (stage 1, epoch 2, batch 4); the previous checkpoint, '...' (step 9), is
+// intact: ...": where a failed write (a full disk) stopped the run, and how to go on. The
+// previous checkpoint is read back (its seal checked) before it is called intact.
+std::string CheckpointHistory::where_it_stopped(const Learner& l) const {
+  const FitPosition p = l.position();
+  std::string out = ", at step " + std::to_string(p.steps) + " (stage " +
+                    std::to_string(p.stage + 1) + ", epoch " + std::to_string(p.epoch + 1) +
+                    ", batch " + std::to_string(p.batch) + "); ";
+  std::error_code ec;
+  if (!fs::exists(last_path_, ec)) return out + "there is no earlier checkpoint to resume from";
+  try {
+    const auto steps = Learner::read_checkpoint(last_path_)["position"].value("steps", int64_t{0});
+    return out + "the previous checkpoint, '" + last_path_ + "' (step " + std::to_string(steps) +
+           "), is intact: make room, then continue from it with --resume";
+  } catch (const std::exception& e) {
+    return out + "the previous checkpoint does not load either: " + e.what();
+  }
 }
 
 // A new link under a temporary name, renamed over last_path: rename is atomic, so last_path

@@ -1,8 +1,11 @@
 // The CRC32 seal of a zip archive (see file_seal.h).
 #include "file_seal.h"
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <zlib.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <algorithm>
 #include <cstdio>
@@ -10,6 +13,7 @@
 #include <vector>
 
 #include "frugal/error.h"
+#include "frugal/report.h"
 
 namespace frugal::seal {
 
@@ -147,14 +151,18 @@ void seal_zip(const std::string& path) {
       throw CheckpointError("cannot seal '" + path + "': not a zip archive without a comment");
     // Everything up to the comment's length field.
     const std::string seal = seal_text(crc_of(f, 0, e.offset + kEndSize - 2));
-    std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
-    const unsigned char len[2] = {static_cast<unsigned char>(kSealSize & 0xFF),
-                                  static_cast<unsigned char>(kSealSize >> 8)};
-    out.seekp(static_cast<std::streamoff>(e.offset + kEndSize - 2));
-    out.write(reinterpret_cast<const char*>(len), 2);
-    out.write(seal.data(), static_cast<std::streamsize>(kSealSize));
-    out.flush();
-    if (!out) throw CheckpointError("cannot seal '" + path + "': write failed");
+    // The comment's length and the comment: 21 bytes past the old end, so the write may find
+    // the disk full or the file size limit reached; its cause is kept.
+    std::string tail = {static_cast<char>(kSealSize & 0xFF), static_cast<char>(kSealSize >> 8)};
+    tail += seal;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    const auto at = static_cast<off_t>(e.offset + kEndSize - 2);
+    const ssize_t k = fd >= 0 ? ::pwrite(fd, tail.data(), tail.size(), at) : -1;
+    const bool ok = k == static_cast<ssize_t>(tail.size());
+    const int err = k < 0 ? errno : ENOSPC;  // a short write: no room for the rest
+    if (fd >= 0 && ::close(fd) != 0 && ok)
+      throw CheckpointError("cannot seal '" + path + "': " + write_failure(errno));
+    if (!ok) throw CheckpointError("cannot seal '" + path + "': " + write_failure(err));
   }
 }
 

@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -69,6 +70,38 @@ void remove_earlier_run(const std::string& dir, const std::string& checkpoint_di
       throw Error("--overwrite: cannot remove the earlier run's checkpoints '" + checkpoint_dir +
                   "': " + ec.message());
   }
+}
+
+namespace {
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+/// A name write_file_atomic, CheckpointHistory::link_last or ensure_writable_dir gives a file
+/// while it is being written.
+bool is_unfinished(const std::string& name) {
+  const size_t tmp = name.rfind(".tmp.");
+  if (tmp != std::string::npos && tmp > 0 && all_digits(name.substr(tmp + 5))) return true;
+  if (name.size() > 9 && name.compare(name.size() - 9, 9, ".link-tmp") == 0) return true;
+  return name.rfind(".frugal-probe.", 0) == 0 && all_digits(name.substr(14));
+}
+
+}  // namespace
+
+std::vector<std::string> remove_unfinished_files(const std::string& dir,
+                                                 const std::string& checkpoint_dir) {
+  std::vector<std::string> removed;
+  for (const std::string& d : {dir, checkpoint_dir}) {
+    std::error_code ec;
+    for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {
+      const fs::path p = it->path();
+      if (!is_unfinished(p.filename().string())) continue;
+      std::error_code rm;
+      if (fs::remove(p, rm)) removed.push_back(p.string());
+    }
+  }
+  return removed;
 }
 
 }  // namespace frugal

@@ -97,19 +97,21 @@ void write(const std::string& path, const std::vector<std::pair<std::string, tor
     meta[kCrcPrefix + name] = crc_hex(c.data_ptr(), c.numel() * c.element_size());
   }
   const std::string text = header(tensors, meta, path);
-  write_file_atomic(path, [&](const std::string& tmp) {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    const uint64_t n = text.size();
-    f.write(reinterpret_cast<const char*>(&n), sizeof n);
-    f.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& [name, t] : tensors) {
-      const torch::Tensor c = host(t);
-      f.write(static_cast<const char*>(c.data_ptr()),
-              static_cast<std::streamsize>(c.numel() * c.element_size()));
-    }
-    f.flush();
-    if (!f) throw Error("cannot write '" + tmp + "' (disk full?)");
-  });
+  try {
+    write_file_atomic(path, [&](const std::string& tmp) {
+      FileWriter f(tmp);
+      const uint64_t n = text.size();
+      f.write(&n, sizeof n);
+      f.write(text.data(), text.size());
+      for (const auto& [name, t] : tensors) {
+        const torch::Tensor c = host(t);
+        if (!f.write(c.data_ptr(), static_cast<size_t>(c.numel() * c.element_size()))) break;
+      }
+      f.finish();
+    });
+  } catch (const Error& e) {
+    throw Error("cannot write '" + path + "': " + e.what());
+  }
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> state_dict(const torch::nn::Module& m) {

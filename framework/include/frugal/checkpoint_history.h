@@ -36,6 +36,7 @@ class CheckpointHistory {
 
  private:
   void link_last(const std::string& file) const;
+  std::string where_it_stopped(const Learner& l) const;
   void prune(const std::string& newest) const;
   std::string last_path_;
   int64_t keep_;

@@ -30,4 +30,12 @@ std::vector<std::string> earlier_run_files(const std::string& dir, const std::st
 /// Removes what earlier_run_files lists (and only that): `--overwrite`.
 void remove_earlier_run(const std::string& dir, const std::string& checkpoint_dir);
 
+/// The unfinished files a killed writer left in `dir` and `checkpoint_dir`: a write's temporary
+/// file (`<name>.tmp.<pid>`), the checkpoint link's (`last.ckpt.link-tmp`), the writability
+/// probe (`.frugal-probe.<pid>`). None is ever read; a checkpoint write killed midway would
+/// otherwise leave its partial copy for good, and the folder would look like an earlier run's.
+/// Call with the folder's RunLock held (no live writer then). Returns the paths removed.
+std::vector<std::string> remove_unfinished_files(const std::string& dir,
+                                                 const std::string& checkpoint_dir);
+
 }  // namespace frugal
