@@ -74,8 +74,8 @@ inline int fuzz_checkpoint(const uint8_t* data, size_t size, bool reseal) {
   });
   expect_checkpoint_error(path, [&] {
     torch::Tensor sum;
-    if (archive::read_loss_sum(a, sum)) (void)sum.to(torch::kCPU);
-    if (auto rng = archive::read_rng(a, torch::kCPU, 0)) rng->restore();
+    if (archive::read_loss_sum(a, sum, path)) (void)sum.item<double>();
+    if (auto rng = archive::read_rng(a, torch::kCPU, 0, path)) rng->restore();
   });
   return 0;
 }

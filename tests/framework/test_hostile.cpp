@@ -297,6 +297,53 @@ TEST(Hostile, CorruptCheckpointsGiveCheckpointErrorsNamingTheFile) {
   l->load_checkpoint(good);  // and the good one still loads
 }
 
+// Found by fuzz/checkpoint_target.h: LibTorch's generator refused a damaged state with a
+// c10::Error, met by a resumed fit after the model and the optimizer had changed; a running
+// loss of several numbers failed at the epoch's end.
+TEST(Hostile, ADamagedGeneratorStateOrRunningLossIsRefusedBeforeTheModelChanges) {
+  TempDir dir;
+  const std::string good = dir.file("good.ckpt");
+  auto a = make_tiny_learner();
+  a->fit(1);
+  a->save_checkpoint(good);
+  const std::string resume = Learner::read_checkpoint(good).dump();
+  struct Case {
+    std::string name, key;
+    torch::Tensor value;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"rng_size", "rng.cpu", torch::zeros({3}, torch::kUInt8),
+       "has a damaged random generator state ('rng.cpu')"},
+      {"rng_type", "rng.cpu", torch::zeros({5056}), "has a damaged random generator state"},
+      {"rng_position", "rng.cpu", torch::zeros({5056}, torch::kUInt8),  // never seeded
+       "has a damaged random generator state"},
+      {"loss_sum", "loss_sum", torch::ones({3}), "has a damaged running loss: 'loss_sum' is float [3]"}};
+  TinySetup other;
+  other.seed = 1;  // other initial weights
+  auto l = make_tiny_learner(other);
+  const auto before = clone_params(*l->model());
+  for (const auto& c : cases) {
+    // A frugal archive whose other records are good (unsealed: as written before seals).
+    torch::serialize::OutputArchive out, model;
+    a->model()->save(model);
+    out.write("frugal.format", c10::IValue(int64_t{1}));
+    out.write("frugal.resume", c10::IValue(resume));
+    out.write("model", model);
+    out.write(c.key, c.value);
+    const std::string path = dir.file(c.name + ".ckpt");
+    out.save_to(path);
+    const std::string msg = checkpoint_error_of([&] { l->load_checkpoint(path); });
+    EXPECT_NE(msg.find("checkpoint '" + path + "' " + c.expect), std::string::npos) << c.name << ": " << msg;
+    EXPECT_FALSE(l->pending_resume()) << c.name;
+  }
+  EXPECT_TRUE(params_equal(*l->model(), before)) << "no damaged file reached the model";
+  l->load_checkpoint(good);
+  l->fit(1);  // the good one resumes (a finished fit: nothing left to run)
+  EXPECT_EQ(l->iteration(), a->iteration());
+  EXPECT_FALSE(params_equal(*l->model(), before));
+}
+
 /// Flips `trials` single bits at random offsets of the file `good` (a sealed archive) and
 /// expects `load` to refuse every one with a CheckpointError naming the file.
 void expect_every_flip_refused(const std::string& good, const std::string& flipped, int64_t trials,
