@@ -159,6 +159,22 @@ TEST(Hostile, MutatedOverridesGiveConfigErrorsNeverCrashes) {
   EXPECT_LT(accepted, n - n / 50);
 }
 
+// Found by fuzz/config.cpp: a --set key of bytes that are not UTF-8 was stored as is and the
+// resolved config named another key; a value was changed to U+FFFD without a word.
+TEST(Hostile, AnOverrideThatIsNotUtf8IsAConfigError) {
+  for (const std::string set : {"plugins.grad_acc\xcd\xcdum.steps=4", "data.path=/data/\xff\xfe"}) {
+    try {
+      parse_config("[data]\ndataset = \"synthetic\"\n", "cfg.toml", {set});
+      ADD_FAILURE() << "accepted: " << set;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("--set " + set + ": not UTF-8 text"), std::string::npos)
+          << e.what();
+    }
+  }
+  const std::string unicode = "/donn\xc3\xa9" "es";  // UTF-8 is fine
+  EXPECT_EQ(parse_config("", "cfg.toml", {"data.path=" + unicode}).data.path, unicode);
+}
+
 // ---- IDX -------------------------------------------------------------------------------------
 
 std::string data_error_of(const std::string& path) {
