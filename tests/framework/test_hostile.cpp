@@ -194,6 +194,18 @@ TEST(Hostile, IdxHeaderClaimingMoreThanTheFileHoldsIsRefusedBeforeAllocating) {
   auto msg = data_error_of(path);
   EXPECT_NE(msg.find(path + "' is corrupt"), std::string::npos) << msg;
   EXPECT_NE(msg.find("2139062143 x 2139062143"), std::string::npos) << msg;
+  // Found by fuzz/idx.cpp: with one size 0 the others went unchecked, and LibTorch refused
+  // the shape with a c10::Error.
+  const auto empty = dir.file("empty_huge.idx");
+  write_bytes(empty, std::string("\x00\x00\x08\x04", 4) + std::string(3 * 4, '\x7f') +
+                         std::string(4, '\0') + "abc");
+  msg = data_error_of(empty);
+  EXPECT_NE(msg.find(empty + "' is corrupt: its header claims 2139062143 x 2139062143 x "
+                             "2139062143 x 0, sizes more than a file of 23 bytes can hold"),
+            std::string::npos)
+      << msg;
+  write_idx(empty, torch::zeros({5, 0, 3}, torch::kUInt8));  // an empty file of sane sizes
+  EXPECT_EQ(read_idx(empty).sizes(), (std::vector<int64_t>{5, 0, 3}));
 
   const auto gz = dir.file("huge.idx.gz");
   write_idx(gz, torch::zeros({2, 2}, torch::kUInt8));
