@@ -372,6 +372,39 @@ TEST(Hostile, ADamagedGeneratorStateOrRunningLossIsRefusedBeforeTheModelChanges)
   EXPECT_FALSE(params_equal(*l->model(), before));
 }
 
+// Found by fuzz/checkpoint_resealed.cpp: an archive without a seal whose TorchScript record
+// had changed crashed LibTorch's importer (SEGV); its pickle changed, LibTorch read on. The
+// zip's own CRC32 of each record refuses both before LibTorch reads.
+TEST(Hostile, AnUnsealedArchiveWithAChangedRecordIsRefusedBeforeLibTorchReadsIt) {
+  TempDir dir;
+  torch::serialize::OutputArchive out;
+  out.write("frugal.format", c10::IValue(int64_t{1}));
+  out.write("weights", torch::ones({3}));
+  out.save_to(dir.file("plain.ckpt"));
+  const std::string bytes = read_bytes(dir.file("plain.ckpt"));
+  auto l = make_tiny_learner();
+  for (const std::string record : {"/data.pkl", "/code/__torch__.py"}) {
+    const size_t name = bytes.find(record);
+    ASSERT_NE(name, std::string::npos) << record;
+    // The record's data follows its local header, name and extra field (LibTorch's padding).
+    const size_t head = bytes.rfind(std::string("PK\x03\x04", 4), name);
+    ASSERT_NE(head, std::string::npos) << record;
+    auto le16 = [&](size_t at) { return size_t(uint8_t(bytes[at])) | size_t(uint8_t(bytes[at + 1])) << 8; };
+    const size_t data = head + 30 + le16(head + 26) + le16(head + 28) + 2;
+    std::string b = bytes;
+    b[data] = static_cast<char>(b[data] ^ 0x10);
+    const std::string path = dir.file("changed.ckpt");
+    write_bytes(path, b);
+    const std::string msg = checkpoint_error_of([&] { l->load(path, false); });
+    EXPECT_NE(msg.find("checkpoint '" + path + "' is damaged: changed record(s): " + record.substr(1)),
+              std::string::npos)
+        << record << ": " << msg;
+  }
+  // The unchanged archive passes the check (and is not a frugal model: no "model" record).
+  EXPECT_NE(checkpoint_error_of([&] { l->load(dir.file("plain.ckpt"), false); }).find("has no model"),
+            std::string::npos);
+}
+
 /// Flips `trials` single bits at random offsets of the file `good` (a sealed archive) and
 /// expects `load` to refuse every one with a CheckpointError naming the file.
 void expect_every_flip_refused(const std::string& good, const std::string& flipped, int64_t trials,
