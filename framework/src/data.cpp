@@ -127,8 +127,8 @@ torch::Tensor read_idx(const std::string& path) {
       throw_data_error("'" + path + "' has a negative size in dimension " + std::to_string(d));
     sizes[d] = v;
     shape += (d ? " x " : "") + std::to_string(v);
-    if (v == 0) empty = true;
     // count stays <= most (< 2^63 / 2^31) before each multiplication: no overflow.
+    if (v == 0) empty = true;
     else if (count > most / static_cast<int64_t>(v)) count = most + 1;
     else count *= sizes[d];
   }
