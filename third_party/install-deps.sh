@@ -12,6 +12,7 @@ pkgs=(
   libboost-dev            # Boost.DLL, header-only (BOOST_DLL_USE_STD_FS)
   libtomlplusplus-dev libspdlog-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev
   gnuplot-nox             # plots in reports; optional at run time
+  clang-14 libclang-rt-14-dev  # the asan preset: sanitizers with libFuzzer's coverage (fuzz/)
 )
 # Real data for the examples: Fashion-MNIST, and (text, for the gpt examples) about 2.6 MB of
 # English in /usr/share/games/fortunes. The tests make their own data.

@@ -1,5 +1,7 @@
 #include "archive.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -232,17 +234,33 @@ bool read_callback_state(InputArchive& a, const std::string& name, InputArchive&
   return a.try_read("callbacks." + name, state);
 }
 
-bool read_loss_sum(InputArchive& a, torch::Tensor& sum) { return a.try_read("loss_sum", sum); }
+bool read_loss_sum(InputArchive& a, torch::Tensor& sum, const std::string& path) {
+  if (!a.try_read("loss_sum", sum)) return false;
+  if (sum.numel() != 1 || !sum.is_floating_point())
+    throw error(path, "has a damaged running loss: 'loss_sum' is " + std::string(sum.dtype().name()) +
+                          " " + c10::str(sum.sizes()) + ", not one number");
+  return true;
+}
 
 void write_rank_rng(OutputArchive& a, int rank, const torch::Tensor& cpu_state) {
   a.write("rng.rank" + std::to_string(rank) + ".cpu", cpu_state.to(torch::kCPU));
 }
 
-std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, int rank) {
+std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, int rank,
+                                 const std::string& path) {
   RngState s;
   const std::string key = rank > 0 ? "rng.rank" + std::to_string(rank) + ".cpu" : "rng.cpu";
   if (!a.try_read(key, s.cpu)) return std::nullopt;
   s.cpu = s.cpu.to(torch::kCPU);
+  // Tried on a generator of its own first: LibTorch refuses a state of another size, type or
+  // an invalid Mersenne Twister position with a c10::Error, which a resume would meet after
+  // the model and the optimizer had changed.
+  try {
+    at::make_generator<at::CPUGeneratorImpl>().set_state(s.cpu);
+  } catch (const c10::Error& e) {
+    throw error(path, "has a damaged random generator state ('" + key + "'): " +
+                          first_line(e.what_without_backtrace()));
+  }
 #ifdef FRUGAL_WITH_CUDA
   torch::Tensor cuda;
   if (device.is_cuda() && a.try_read("rng.cuda", cuda)) {

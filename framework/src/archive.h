@@ -61,11 +61,14 @@ void load_optimizer(torch::optim::Optimizer& opt, const std::string& name, Input
                     const std::string& path, const std::string& fix);
 /// A callback's saved state into `state`; false when the archive has none for `name`.
 bool read_callback_state(InputArchive& a, const std::string& name, InputArchive& state);
-/// The running loss into `sum`; false when none was saved.
-bool read_loss_sum(InputArchive& a, torch::Tensor& sum);
+/// The running loss into `sum`; false when none was saved. Throws CheckpointError naming `path`
+/// when it is not one floating-point number.
+bool read_loss_sum(InputArchive& a, torch::Tensor& sum, const std::string& path);
 /// The generators' state save_checkpoint stored (nullopt: none); CUDA's when `device` is CUDA.
-/// Rank r >= 1 of a data-parallel run reads its own CPU generator (rng.rank<r>.cpu).
-std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, int rank = 0);
+/// Rank r >= 1 of a data-parallel run reads its own CPU generator (rng.rank<r>.cpu). Throws
+/// CheckpointError naming `path` when LibTorch's CPU generator would refuse the state.
+std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, int rank,
+                                 const std::string& path);
 
 // ---- the resume record ----
 /// Where a saved fit stands and what it had measured.

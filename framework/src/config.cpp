@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "frugal/error.h"
 #include "options_toml.h"
 
@@ -221,6 +223,17 @@ std::string trim(const std::string& s) {
   return s.substr(b, s.find_last_not_of(" \t") - b + 1);
 }
 
+/// TOML is UTF-8 text; an override is not read by the TOML parser that checks it. (A key of
+/// other bytes was stored as is and written to the resolved config as another key.)
+bool valid_utf8(const std::string& s) {
+  try {
+    (void)nlohmann::json(s).dump();  // the strict error handler refuses invalid UTF-8
+    return true;
+  } catch (const nlohmann::json::type_error&) {
+    return false;
+  }
+}
+
 /// {v = VALUE}: the value as TOML, or as a plain string when it is not TOML, parsed with
 /// `origin` as its source so that errors about it name the override. (Moving a node keeps
 /// its source; copying drops it.)
@@ -259,6 +272,8 @@ void apply_override(toml::table& root, const std::string& assignment) {
   if (key.empty() || contains(segments, ""))
     throw_config_error(std::string(kSetPrefix) + " '" + assignment + "': expected KEY=VALUE");
   const std::string origin = std::string(kSetPrefix) + " " + assignment;
+  if (!valid_utf8(assignment))
+    throw_config_error(origin + ": not UTF-8 text (TOML keys and strings are Unicode)");
   toml::table value = parse_value(trim(assignment.substr(eq + 1)), origin);
 
   toml::node* at = &root;

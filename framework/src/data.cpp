@@ -115,7 +115,10 @@ torch::Tensor read_idx(const std::string& path) {
   // header that claims more is corrupt; refused before any allocation.
   const auto on_disk = static_cast<int64_t>(std::filesystem::file_size(path, ec));
   const int64_t most = ec ? std::numeric_limits<int64_t>::max() : on_disk * 1032 + 1024;
+  // The product of the sizes other than 0: LibTorch refuses a shape whose sizes multiply past
+  // 2^63 even when one of them is 0 (a c10::Error before this check counted them).
   int64_t count = 1;
+  bool empty = false;
   std::string shape;
   for (int d = 0; d < ndims; ++d) {
     const unsigned char* b = &dims_raw[4 * d];
@@ -125,12 +128,15 @@ torch::Tensor read_idx(const std::string& path) {
     sizes[d] = v;
     shape += (d ? " x " : "") + std::to_string(v);
     // count stays <= most (< 2^63 / 2^31) before each multiplication: no overflow.
-    if (v != 0 && count > most / static_cast<int64_t>(v)) count = most + 1;
+    if (v == 0) empty = true;
+    else if (count > most / static_cast<int64_t>(v)) count = most + 1;
     else count *= sizes[d];
   }
   if (count > most)
-    throw_data_error("'" + path + "' is corrupt: its header claims " + shape + " bytes of data, " +
-                     "more than a file of " + std::to_string(on_disk) + " bytes can hold");
+    throw_data_error("'" + path + "' is corrupt: its header claims " + shape +
+                     (empty ? ", sizes " : " bytes of data, ") + "more than a file of " +
+                     std::to_string(on_disk) + " bytes can hold");
+  if (empty) count = 0;
   auto out = torch::empty(sizes, torch::kUInt8);
   got = read_some(f.get(), out.data_ptr<uint8_t>(), count, path);
   if (got != count)

@@ -176,7 +176,16 @@ Seal verify_zip(const std::string& path) {
     if (sealed_end_damaged(f, size)) throw damaged(path, "its end-of-archive record was changed");
     return Seal::Absent;
   }
-  if (e.comment == 0) return Seal::Absent;
+  if (e.comment == 0) {
+    // Written before seals: the zip's own CRC32 of each record still tells changed bytes in a
+    // record, which LibTorch's reader does not check (a changed TorchScript record crashed it).
+    std::vector<ChangedRecord> records = changed_records(f, e.offset);
+    if (records.empty()) return Seal::Absent;
+    std::string names;
+    for (const auto& r : records) names += (names.empty() ? "" : ", ") + r.name;
+    throw SealError("checkpoint '" + path + "' is damaged: changed record(s): " + names,
+                    std::move(records));
+  }
   const auto comment = read_range(f, e.offset + kEndSize, e.comment);
   const std::string text(comment.begin(), comment.end());
   if (e.comment != kSealSize || text.rfind(kPrefix, 0) != 0)

@@ -47,7 +47,7 @@ void seal_zip(const std::string& path);
 enum class Seal { Verified, Absent };
 
 /// Checks the seal of the zip archive at `path`. Absent: an archive written before seals
-/// (no comment), left to LibTorch's own checks. Throws SealError (or CheckpointError) naming
+/// (no comment) whose records match the zip's own CRC32s, left to LibTorch's own checks. Throws SealError (or CheckpointError) naming
 /// the file, and the records whose bytes changed when it can tell, for a damaged file.
 Seal verify_zip(const std::string& path);
 

@@ -146,6 +146,11 @@ nlohmann::json Learner::load_checkpoint(const std::string& path) {
                           "train --nproc " + std::to_string(saved_world) +
                           ", or torchrun --nproc_per_node=" + std::to_string(saved_world) +
                           "): each rank's data shard and random generator depend on it");
+  // The records a resumed fit reads last, checked now: a damaged one fails before the model
+  // changes.
+  torch::Tensor loss_sum;
+  archive::read_loss_sum(r->archive, loss_sum, path);
+  archive::read_rng(r->archive, device_, world.rank(), path);
   archive::load_model(*model_, r->archive, path);
   nlohmann::json info = r->record.info;
   resume_ = std::move(r);
@@ -238,14 +243,14 @@ void Learner::load_callback_states(PendingResume& r) {
 void Learner::restore_loop_state(PendingResume& r) {
   const FitPosition& p = r.record.position;
   torch::Tensor sum;
-  loss_sum_ = archive::read_loss_sum(r.archive, sum) && training_
+  loss_sum_ = archive::read_loss_sum(r.archive, sum, r.path) && training_
                   ? sum.to(device_)
                   : torch::zeros({}, torch::TensorOptions().device(device_));
   loss_count_ = training_ ? r.record.loss_count : 0;
   stop_epoch_ = p.stop_epoch;
   capped_ = !p.stop_fit && !p.done && max_steps_ > 0 && iteration_ >= max_steps_;
   stop_fit_ = p.stop_fit || p.done || capped_;
-  if (auto rng = archive::read_rng(r.archive, device_, World::get().rank())) rng->restore();
+  if (auto rng = archive::read_rng(r.archive, device_, World::get().rank(), r.path)) rng->restore();
 }
 
 }  // namespace frugal

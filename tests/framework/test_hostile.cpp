@@ -159,6 +159,22 @@ TEST(Hostile, MutatedOverridesGiveConfigErrorsNeverCrashes) {
   EXPECT_LT(accepted, n - n / 50);
 }
 
+// Found by fuzz/config.cpp: a --set key of bytes that are not UTF-8 was stored as is and the
+// resolved config named another key; a value was changed to U+FFFD without a word.
+TEST(Hostile, AnOverrideThatIsNotUtf8IsAConfigError) {
+  for (const std::string set : {"plugins.grad_acc\xcd\xcdum.steps=4", "data.path=/data/\xff\xfe"}) {
+    try {
+      parse_config("[data]\ndataset = \"synthetic\"\n", "cfg.toml", {set});
+      ADD_FAILURE() << "accepted: " << set;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("--set " + set + ": not UTF-8 text"), std::string::npos)
+          << e.what();
+    }
+  }
+  const std::string unicode = "/donn\xc3\xa9" "es";  // UTF-8 is fine
+  EXPECT_EQ(parse_config("", "cfg.toml", {"data.path=" + unicode}).data.path, unicode);
+}
+
 // ---- IDX -------------------------------------------------------------------------------------
 
 std::string data_error_of(const std::string& path) {
@@ -178,6 +194,18 @@ TEST(Hostile, IdxHeaderClaimingMoreThanTheFileHoldsIsRefusedBeforeAllocating) {
   auto msg = data_error_of(path);
   EXPECT_NE(msg.find(path + "' is corrupt"), std::string::npos) << msg;
   EXPECT_NE(msg.find("2139062143 x 2139062143"), std::string::npos) << msg;
+  // Found by fuzz/idx.cpp: with one size 0 the others went unchecked, and LibTorch refused
+  // the shape with a c10::Error.
+  const auto empty = dir.file("empty_huge.idx");
+  write_bytes(empty, std::string("\x00\x00\x08\x04", 4) + std::string(3 * 4, '\x7f') +
+                         std::string(4, '\0') + "abc");
+  msg = data_error_of(empty);
+  EXPECT_NE(msg.find(empty + "' is corrupt: its header claims 2139062143 x 2139062143 x "
+                             "2139062143 x 0, sizes more than a file of 23 bytes can hold"),
+            std::string::npos)
+      << msg;
+  write_idx(empty, torch::zeros({5, 0, 3}, torch::kUInt8));  // an empty file of sane sizes
+  EXPECT_EQ(read_idx(empty).sizes(), (std::vector<int64_t>{5, 0, 3}));
 
   const auto gz = dir.file("huge.idx.gz");
   write_idx(gz, torch::zeros({2, 2}, torch::kUInt8));
@@ -295,6 +323,86 @@ TEST(Hostile, CorruptCheckpointsGiveCheckpointErrorsNamingTheFile) {
   const auto msg = checkpoint_error_of([&] { l->load_checkpoint(dir.path().string()); });
   EXPECT_NE(msg.find("is not a file"), std::string::npos) << msg;
   l->load_checkpoint(good);  // and the good one still loads
+}
+
+// Found by fuzz/checkpoint_target.h: LibTorch's generator refused a damaged state with a
+// c10::Error, met by a resumed fit after the model and the optimizer had changed; a running
+// loss of several numbers failed at the epoch's end.
+TEST(Hostile, ADamagedGeneratorStateOrRunningLossIsRefusedBeforeTheModelChanges) {
+  TempDir dir;
+  const std::string good = dir.file("good.ckpt");
+  auto a = make_tiny_learner();
+  a->fit(1);
+  a->save_checkpoint(good);
+  const std::string resume = Learner::read_checkpoint(good).dump();
+  struct Case {
+    std::string name, key;
+    torch::Tensor value;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"rng_size", "rng.cpu", torch::zeros({3}, torch::kUInt8),
+       "has a damaged random generator state ('rng.cpu')"},
+      {"rng_type", "rng.cpu", torch::zeros({5056}), "has a damaged random generator state"},
+      {"rng_position", "rng.cpu", torch::zeros({5056}, torch::kUInt8),  // never seeded
+       "has a damaged random generator state"},
+      {"loss_sum", "loss_sum", torch::ones({3}), "has a damaged running loss: 'loss_sum' is float [3]"}};
+  TinySetup other;
+  other.seed = 1;  // other initial weights
+  auto l = make_tiny_learner(other);
+  const auto before = clone_params(*l->model());
+  for (const auto& c : cases) {
+    // A frugal archive whose other records are good (unsealed: as written before seals).
+    torch::serialize::OutputArchive out, model;
+    a->model()->save(model);
+    out.write("frugal.format", c10::IValue(int64_t{1}));
+    out.write("frugal.resume", c10::IValue(resume));
+    out.write("model", model);
+    out.write(c.key, c.value);
+    const std::string path = dir.file(c.name + ".ckpt");
+    out.save_to(path);
+    const std::string msg = checkpoint_error_of([&] { l->load_checkpoint(path); });
+    EXPECT_NE(msg.find("checkpoint '" + path + "' " + c.expect), std::string::npos) << c.name << ": " << msg;
+    EXPECT_FALSE(l->pending_resume()) << c.name;
+  }
+  EXPECT_TRUE(params_equal(*l->model(), before)) << "no damaged file reached the model";
+  l->load_checkpoint(good);
+  l->fit(1);  // the good one resumes (a finished fit: nothing left to run)
+  EXPECT_EQ(l->iteration(), a->iteration());
+  EXPECT_FALSE(params_equal(*l->model(), before));
+}
+
+// Found by fuzz/checkpoint_resealed.cpp: an archive without a seal whose TorchScript record
+// had changed crashed LibTorch's importer (SEGV); its pickle changed, LibTorch read on. The
+// zip's own CRC32 of each record refuses both before LibTorch reads.
+TEST(Hostile, AnUnsealedArchiveWithAChangedRecordIsRefusedBeforeLibTorchReadsIt) {
+  TempDir dir;
+  torch::serialize::OutputArchive out;
+  out.write("frugal.format", c10::IValue(int64_t{1}));
+  out.write("weights", torch::ones({3}));
+  out.save_to(dir.file("plain.ckpt"));
+  const std::string bytes = read_bytes(dir.file("plain.ckpt"));
+  auto l = make_tiny_learner();
+  for (const std::string record : {"/data.pkl", "/code/__torch__.py"}) {
+    const size_t name = bytes.find(record);
+    ASSERT_NE(name, std::string::npos) << record;
+    // The record's data follows its local header, name and extra field (LibTorch's padding).
+    const size_t head = bytes.rfind(std::string("PK\x03\x04", 4), name);
+    ASSERT_NE(head, std::string::npos) << record;
+    auto le16 = [&](size_t at) { return size_t(uint8_t(bytes[at])) | size_t(uint8_t(bytes[at + 1])) << 8; };
+    const size_t data = head + 30 + le16(head + 26) + le16(head + 28) + 2;
+    std::string b = bytes;
+    b[data] = static_cast<char>(b[data] ^ 0x10);
+    const std::string path = dir.file("changed.ckpt");
+    write_bytes(path, b);
+    const std::string msg = checkpoint_error_of([&] { l->load(path, false); });
+    EXPECT_NE(msg.find("checkpoint '" + path + "' is damaged: changed record(s): " + record.substr(1)),
+              std::string::npos)
+        << record << ": " << msg;
+  }
+  // The unchanged archive passes the check (and is not a frugal model: no "model" record).
+  EXPECT_NE(checkpoint_error_of([&] { l->load(dir.file("plain.ckpt"), false); }).find("has no model"),
+            std::string::npos);
 }
 
 /// Flips `trials` single bits at random offsets of the file `good` (a sealed archive) and
