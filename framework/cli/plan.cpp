@@ -16,7 +16,8 @@
 //
 // Step times of a few batches are noisy (on a shared CPU, more than the differences between
 // techniques): each measured median carries its spread, (p90 - p10) / median / sqrt(steady
-// batches), and a combination's prediction the spreads of the medians it multiplies. A
+// batches) and a between-run term (kBetweenRuns), and a combination's prediction the spreads
+// of the medians it multiplies. A
 // combination is clearly faster than another when the log of their step times' ratio passes twice
 // its spread (from the medians the two do not share).
 // The proposal starts from the simplest combination that fits (fewest techniques, then smallest
@@ -76,16 +77,23 @@ int64_t batch_bytes_of(const ChildResult& r) {
 double step_of(const ChildResult& r) {
   return r.report["fit"]["step_seconds"].value("median", 0.0);
 }
+/// How much a process's median step time moves between runs of the same config, beyond what
+/// its own steps show: three plans of examples/ablation/mlp.toml on an idle 2-core machine moved
+/// each technique's median by 25-33% (the thread tuner's choice, the allocator's layout), while
+/// the within-run spreads said 1-8%.
+constexpr double kBetweenRuns = 0.15;
+
 /// The relative uncertainty of a run's median step time: the p10-p90 range over the median,
 /// shrunk by the square root of the timed batches it was taken from (`steady` when the report
-/// does not say: the thread tuner may lengthen the warm-up).
+/// does not say: the thread tuner may lengthen the warm-up), and the between-run term.
 double spread_of(const ChildResult& r, int64_t steady) {
   const json& t = r.report["fit"]["step_seconds"];
   const double median = t.value("median", 0.0);
   if (median <= 0) return 0;
   const int64_t n = t.value("count", steady);
-  return (t.value("p90", median) - t.value("p10", median)) / median /
-         std::sqrt(static_cast<double>(std::max<int64_t>(n, 1)));
+  const double within = (t.value("p90", median) - t.value("p10", median)) / median /
+                        std::sqrt(static_cast<double>(std::max<int64_t>(n, 1)));
+  return std::hypot(within, kBetweenRuns);
 }
 
 }  // namespace
