@@ -87,7 +87,17 @@ Dataset Dataset::head(int64_t n) const {
   return d;
 }
 
-torch::Tensor read_idx(const std::string& path) {
+namespace {
+
+/// An IDX file opened and its header read and checked (what read_idx documents): the sizes, and
+/// the bytes of data they claim (0 when a size is 0).
+struct IdxHeader {
+  GzFile file;
+  std::vector<int64_t> sizes;
+  int64_t count = 0;
+};
+
+IdxHeader read_idx_header(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
     throw_data_error("cannot read '" + path + "': no such file");
@@ -137,10 +147,19 @@ torch::Tensor read_idx(const std::string& path) {
                      (empty ? ", sizes " : " bytes of data, ") + "more than a file of " +
                      std::to_string(on_disk) + " bytes can hold");
   if (empty) count = 0;
-  auto out = torch::empty(sizes, torch::kUInt8);
-  got = read_some(f.get(), out.data_ptr<uint8_t>(), count, path);
-  if (got != count)
-    throw_data_error("'" + path + "' is truncated: expected " + std::to_string(count) +
+  return {std::move(f), std::move(sizes), count};
+}
+
+}  // namespace
+
+std::vector<int64_t> idx_shape(const std::string& path) { return read_idx_header(path).sizes; }
+
+torch::Tensor read_idx(const std::string& path) {
+  IdxHeader h = read_idx_header(path);
+  auto out = torch::empty(h.sizes, torch::kUInt8);
+  const int64_t got = read_some(h.file.get(), out.data_ptr<uint8_t>(), h.count, path);
+  if (got != h.count)
+    throw_data_error("'" + path + "' is truncated: expected " + std::to_string(h.count) +
                      " bytes of data, got " + std::to_string(got));
   return out;
 }
@@ -191,6 +210,10 @@ void check_split(const std::string& dir, bool train) {
   }
 }
 }  // namespace
+
+std::string fashion_mnist_images(const std::string& dir, bool train) {
+  return fashion_file(dir, train, "images-idx3");
+}
 
 void check_fashion_mnist(const std::string& dir) {
   check_split(dir, true);

@@ -9,8 +9,6 @@
 #include <set>
 #include <utility>
 
-#include <zlib.h>
-
 #include "frugal/data.h"
 #include "frugal/error.h"
 #include "frugal/memory.h"
@@ -41,29 +39,6 @@ const StageOptions& first_stage(const Config& c) {
   for (const auto& s : c.stages)
     if (s.epochs > 0) return s;
   return c.stages.empty() ? none : c.stages.front();
-}
-
-// Samples and bytes per sample from an IDX file's header (gzip'd or plain); {0, 0} when it
-// cannot be read (loading the data reports that, naming the file).
-std::pair<int64_t, int64_t> idx_samples(const std::string& path) {
-  gzFile f = ::gzopen(path.c_str(), "rb");
-  if (!f) return {0, 0};
-  unsigned char magic[4] = {};
-  std::pair<int64_t, int64_t> out{0, 0};
-  if (::gzread(f, magic, 4) == 4 && magic[0] == 0 && magic[1] == 0 && magic[3] >= 1 && magic[3] <= 4) {
-    int64_t dims[4] = {};
-    bool ok = true;
-    for (int i = 0; i < magic[3] && ok; ++i) {
-      unsigned char d[4];
-      ok = ::gzread(f, d, 4) == 4;
-      dims[i] = (int64_t{d[0]} << 24) | (d[1] << 16) | (d[2] << 8) | d[3];
-    }
-    int64_t per = 1;
-    for (int i = 1; i < magic[3]; ++i) per *= dims[i];
-    if (ok) out = {dims[0], per};
-  }
-  ::gzclose(f);
-  return out;
 }
 
 // The text corpus as text_dataset splits it (the last tenth validates) and head() cuts it.
@@ -99,8 +74,15 @@ int64_t estimated_data_bytes(const Config& c) {
   const DataOptions& d = c.data;
   if (d.dataset == "fashion-mnist") {
     const auto split = [&](bool train, int64_t keep) {
-      const auto [n, pixels] = idx_samples(d.path + "/" + (train ? "train" : "t10k") + "-images-idx3-ubyte.gz");
-      return image_bytes(n, keep, pixels);
+      std::vector<int64_t> shape;
+      try {
+        shape = idx_shape(fashion_mnist_images(d.path, train));
+      } catch (const DataError& e) {
+        throw ConfigError(c.source + ": data.path: " + e.what());
+      }
+      int64_t pixels = 1;
+      for (size_t i = 1; i < shape.size(); ++i) pixels *= shape[i];
+      return image_bytes(shape.empty() ? 0 : shape[0], keep, pixels);
     };
     return split(true, d.train_samples) + (d.valid_samples < 0 ? 0 : split(false, d.valid_samples));
   }

@@ -175,8 +175,7 @@ std::map<std::string, torch::Tensor> read(const std::string& path,
   const char* data = bytes.data() + sizeof n + n;
   const uint64_t size = bytes.size() - sizeof n - n;
   std::map<std::string, torch::Tensor> out;
-  std::vector<std::pair<uint64_t, uint64_t>> spans;
-  std::vector<std::pair<std::string, std::pair<uint64_t, uint64_t>>> named;
+  std::vector<std::pair<std::string, std::pair<uint64_t, uint64_t>>> named;  // name, [begin, end)
   std::map<std::string, std::string> meta;
   if (h.contains("__metadata__") && h["__metadata__"].is_object())
     for (const auto& [k, v] : h["__metadata__"].items()) meta[k] = v.is_string() ? v.get<std::string>() : v.dump();
@@ -186,9 +185,10 @@ std::map<std::string, torch::Tensor> read(const std::string& path,
     if (name == "__metadata__") continue;
     out[name] = read_tensor(path, name, e, data, size);
     const uint64_t begin = e["data_offsets"][0].get<uint64_t>(), end = e["data_offsets"][1].get<uint64_t>();
-    spans.emplace_back(begin, end);
     named.emplace_back(name, std::make_pair(begin, end));
   }
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  for (const auto& n : named) spans.push_back(n.second);
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i)
     if (spans[i].first < spans[i - 1].second) throw bad(path, "two tensors' bytes overlap");

@@ -35,6 +35,9 @@ struct Dataset {
 /// Reads one IDX file (gzip'd or plain): uint8 data with 1 to 4 dimensions. Throws DataError
 /// naming the file on a missing file, a wrong magic number or a truncated body.
 torch::Tensor read_idx(const std::string& path);
+/// The sizes an IDX file's header gives, checked as read_idx checks them, without reading the
+/// data (what a config's data will hold, before it is loaded).
+std::vector<int64_t> idx_shape(const std::string& path);
 /// Writes an IDX file, gzip'd when the path ends in .gz (used by tests and tools).
 void write_idx(const std::string& path, const torch::Tensor& data);
 
@@ -45,6 +48,8 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 Dataset load_fashion_mnist(const std::string& dir, bool train);
 /// Throws the same DataError as load_fashion_mnist when any of the four files is missing.
 void check_fashion_mnist(const std::string& dir);
+/// The images file of Fashion-MNIST's train or test split in `dir`.
+std::string fashion_mnist_images(const std::string& dir, bool train);
 
 /// Random images of any shape and class count; labels depend on the images (a fixed random
 /// linear rule), so a model can learn them. Same seed, same data.
