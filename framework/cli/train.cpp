@@ -188,6 +188,27 @@ int fit(Learner& learner, const Config& cfg, nlohmann::json& extra, spdlog::logg
   return 0;
 }
 
+/// The safety nets' records for the report. A fit a non-finite step stopped names the last
+/// good checkpoint: the failed step was not taken, and nothing was written after it.
+void note_safety_nets(const Learner& learner, const Config& cfg, int rc, nlohmann::json& extra,
+                      spdlog::logger& log) {
+  extra.update(safety_records(learner));
+  if (extra.contains("best_model"))
+    log.info("best model ({} = {}, stage {} epoch {}) kept in {}",
+             extra["best_model"].value("metric", ""), extra["best_model"].value("value", 0.0),
+             extra["best_model"].value("stage", 0) + 1, extra["best_model"].value("epoch", 0),
+             extra["best_model"].value("pt", ""));
+  if (rc == 0 || !extra.contains("nonfinite") || !extra["nonfinite"].contains("event") ||
+      extra["nonfinite"].value("mode", "") != "fail")
+    return;
+  std::error_code ec;
+  const std::string last = checkpoint_path(cfg.run);
+  extra["nonfinite"]["checkpoint"] = fs::exists(last, ec) ? nlohmann::json(last) : nlohmann::json();
+  if (fs::exists(last, ec))
+    log.info("the last good checkpoint, {}, is kept: fix the cause (a lower learning rate, "
+             "run.on_nonfinite = \"skip\") and resume from it with --resume", last);
+}
+
 const StopCallback* find_stop(const Learner& learner) {
   for (const auto& c : learner.callbacks())
     if (auto s = dynamic_cast<const StopCallback*>(c.get())) return s;
@@ -357,6 +378,7 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
                             {"batch_per_rank", (cfg.data.batch_size + world.size() - 1) / world.size()},
                             {"bucket_bytes", cfg.distributed.bucket_size.bytes}};
   int rc = fit(*learner, cfg, extra, *log);
+  note_safety_nets(*learner, cfg, rc, extra, *log);
   const StopCallback* stop = find_stop(*learner);
   if (rc == 0 && stop && stop->stopped()) rc = note_interruption(*stop, a, extra, *log);
   if (world.distributed() && (rc == 0 || rc == kExitInterrupted))

@@ -74,6 +74,25 @@ void RunOptions::visit(FieldVisitor& v) {
           "write a Chrome-trace JSON (Perfetto) of phase spans and live memory to this path; "
           "\"\" = off");
   visit_memory(v);
+  visit_safety(v);
+}
+
+// The run's safety nets: the best model kept, a diverged step, early stopping.
+void RunOptions::visit_safety(FieldVisitor& v) {
+  v.field("save_best", save_best,
+          "also keep the best model by this validation metric, as best.pt and best.safetensors "
+          "in out_dir: valid_loss, accuracy or the task's metric; off = only the final model");
+  v.field("on_nonfinite", on_nonfinite,
+          "a step whose loss or gradient is inf/NaN: fail = stop the run with an error naming "
+          "stage, epoch, batch and parameter; skip = skip the step and count it",
+          {"fail", "skip"});
+  v.field("early_stopping", early_stopping,
+          "stop the fit when this validation metric (valid_loss, accuracy or the task's metric) "
+          "has not improved by more than min_delta for patience epochs; off = never");
+  v.field("patience", patience, "early stopping: epochs without an improvement", at_least(1));
+  v.field("min_delta", min_delta,
+          "early stopping: the least change of the metric that counts as an improvement",
+          at_least(0));
 }
 
 // Memory settings do not change the numbers: micro-batches keep the step's gradients.
@@ -97,6 +116,10 @@ void RunOptions::visit_memory(FieldVisitor& v) {
 }
 
 void RunOptions::check() const {
+  if (save_best.empty() || early_stopping.empty())
+    throw_config_error(std::string("'run.") + (save_best.empty() ? "save_best" : "early_stopping") +
+                       "' = \"\": name a validation metric (valid_loss, accuracy or the task's) "
+                       "or \"off\"");
   if (micro_batch == "auto" && memory_budget.bytes == 0)
     throw_config_error("'run.micro_batch' = \"auto\" needs 'run.memory_budget' (the memory the "
                        "micro-batch must fit), e.g. memory_budget = \"1GiB\"");

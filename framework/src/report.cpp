@@ -198,6 +198,32 @@ void stage_table(std::ostream& md, const nlohmann::json& fit, bool lm) {
        << valid << " |\n";
   }
 }
+/// What the safety nets did: the non-finite steps, early stopping, the best model kept.
+void safety_lines(std::ostream& md, const nlohmann::json& r) {
+  if (r.contains("nonfinite") && r["nonfinite"].is_object()) {
+    const auto& n = r["nonfinite"];
+    if (n.value("mode", "") == "skip" && get_i(n, "skipped_steps") > 0)
+      md << "**Non-finite steps skipped:** " << get_i(n, "skipped_steps")
+         << " (run.on_nonfinite = \"skip\"; the loss or a gradient was inf/NaN).\n\n";
+    if (n.value("mode", "") == "fail" && n.contains("event") && n.contains("checkpoint"))
+      md << "**Stopped at a non-finite " << n["event"].value("what", "value")
+         << "**; the last good checkpoint is `"
+         << (n["checkpoint"].is_string() ? n["checkpoint"].get<std::string>() : "none") << "`.\n\n";
+  }
+  if (r.contains("early_stopping") && r["early_stopping"].value("stopped", false)) {
+    const auto& e = r["early_stopping"];
+    md << "**Stopped early** after " << get_i(e, "stopped_epoch") << " epochs: "
+       << e.value("metric", "") << " did not improve by more than " << e.value("min_delta", 0.0)
+       << " for " << get_i(e, "patience") << " epochs (best " << e.value("best", 0.0)
+       << " after epoch " << get_i(e, "best_epoch") << ").\n\n";
+  }
+  if (r.contains("best_model") && r["best_model"].is_object()) {
+    const auto& b = r["best_model"];
+    md << "Best model (" << b.value("metric", "") << " = " << b.value("value", 0.0) << ", stage "
+       << b.value("stage_name", "") << " epoch " << get_i(b, "epoch") << ", " << get_i(b, "steps")
+       << " steps): `" << b.value("pt", "") << "`, `" << b.value("safetensors", "") << "`.\n\n";
+  }
+}
 }  // namespace
 
 std::string report_markdown(const nlohmann::json& r) {
@@ -221,6 +247,7 @@ std::string report_markdown(const nlohmann::json& r) {
        << i.value("batch", 0) << " (" << i.value("steps", 0) << " optimizer steps); its checkpoint `"
        << i.value("checkpoint", "") << "` continues it (the same command with `--resume auto`).\n\n";
   }
+  safety_lines(md, r);
   if (fit.is_null()) return md.str();
 
   const bool lm = fit.value("task", "") == "language_model";

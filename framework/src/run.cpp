@@ -13,9 +13,11 @@
 #include "frugal/checkpoint_writer.h"
 #include "frugal/data_parallel.h"
 #include "frugal/distributed.h"
+#include "frugal/early_stopping.h"
 #include "frugal/error.h"
 #include "frugal/memory.h"
 #include "frugal/model_export.h"
+#include "frugal/nonfinite.h"
 #include "frugal/registry.h"
 #include "frugal/threads.h"
 #include "frugal/trace.h"
@@ -168,6 +170,28 @@ void add_thread_tuner(const Config& c, Learner& l) {
   l.add_callback(std::make_shared<ThreadTuner>(tune ? cores : 0));
   if (tune) l.set_warmup_batches(std::max(c.run.warmup, ThreadTuner::kSteps));
 }
+
+// run.on_nonfinite, run.save_best, run.early_stopping: the metrics are checked against the
+// learner's task here, before any work.
+void add_safety_nets(const Config& c, Learner& l) {
+  l.add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::parse_mode(c.run.on_nonfinite)));
+  auto monitor = [&](const std::string& key, const std::string& metric, double min_delta) {
+    return named(c, key, [&] {
+      MetricMonitor m(metric, min_delta);
+      m.check(l.task(), "");  // named() prefixes the file and key
+      if (!l.valid_data())
+        throw_config_error("\"" + metric + "\" needs validation data, and data.valid_samples = -1");
+      return m;
+    });
+  };
+  if (c.run.save_best != "off" && World::get().is_main())
+    l.add_callback(std::make_shared<SaveBest>(
+        monitor("run.save_best", c.run.save_best, 0.0), best_model_path(c.run),
+        std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
+  if (c.run.early_stopping != "off")
+    l.add_callback(std::make_shared<EarlyStopping>(
+        monitor("run.early_stopping", c.run.early_stopping, c.run.min_delta), c.run.patience));
+}
 }  // namespace
 
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) {
@@ -216,6 +240,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   if (world.is_main())  // rank 0 writes the run's files
     learner->add_callback(std::make_shared<ModelExport>(
         model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
+  add_safety_nets(c, *learner);
   learner->set_warmup_batches(c.run.warmup);
   add_thread_tuner(c, *learner);
   if (!c.run.trace.empty() && world.is_main())
@@ -227,6 +252,17 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   oom.auto_micro_batch = c.run.micro_batch == "auto";
   learner->set_oom_policy(oom);
   return learner;
+}
+
+nlohmann::json safety_records(const Learner& l) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& cb : l.callbacks()) {
+    if (const auto* n = dynamic_cast<const NonFiniteCheck*>(cb.get())) out["nonfinite"] = n->record();
+    if (const auto* e = dynamic_cast<const EarlyStopping*>(cb.get())) out["early_stopping"] = e->record();
+    if (const auto* b = dynamic_cast<const SaveBest*>(cb.get()); b && b->has_best())
+      out["best_model"] = b->record();
+  }
+  return out;
 }
 
 std::string checkpoint_path(const RunOptions& r) {

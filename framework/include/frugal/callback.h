@@ -31,6 +31,8 @@ class ForwardNext {
 ///   kTrace               the timeline: its spans include every other hook
 ///   kCheckpointWriter    saves in after_* once every other callback has updated its state
 ///   kModelExport         writes the trained model once the fit's other after_fit hooks ran
+///   kBestModel           keeps the best model (run.save_best) after a validation
+///   kEarlyStopping       ends the fit when the validation metric stops improving
 ///   -- state changes between stages, before anything measures the stage --
 ///   kModelRewrite        rewrites the model's modules (in-place activations)
 ///   kOptimizerSwap       replaces the optimizer
@@ -43,12 +45,16 @@ class ForwardNext {
 ///   -- late --
 ///   kGradientSync        data parallel: after_* before the precision and batch-grouping
 ///                        callbacks, so they see gradients averaged across ranks
+///   kNonFiniteCheck      checks the loss and gradients in before_step after every callback
+///                        that may skip the step (batch grouping, precision)
 ///   kOutputRelease       first in after_*: swaps loss and prediction for detached tensors
 ///   kProgress            logs, after every callback in before_*, first in after_*
 namespace order {
 inline constexpr int kTrace = -1000000;
 inline constexpr int kCheckpointWriter = -1000;
 inline constexpr int kModelExport = -900;
+inline constexpr int kBestModel = -890;
+inline constexpr int kEarlyStopping = -200;
 inline constexpr int kModelRewrite = -100;
 inline constexpr int kOptimizerSwap = -20;
 inline constexpr int kPurge = -10;
@@ -57,6 +63,7 @@ inline constexpr int kBatchGrouping = 10;
 inline constexpr int kPrecision = 50;
 inline constexpr int kInnermostForward = 100;
 inline constexpr int kGradientSync = 500;
+inline constexpr int kNonFiniteCheck = 900;
 inline constexpr int kOutputRelease = 1000;
 inline constexpr int kProgress = 1100;
 }  // namespace order

@@ -32,11 +32,18 @@ struct RunOptions : Options {
   std::string on_oom = "fail";         ///< fail | retry
   int64_t oom_retries = 4;             ///< retry: out-of-memory errors allowed on one batch
   std::string micro_batch = "off";     ///< off | auto (the largest that fits memory_budget)
+  // safety nets (nonfinite.h, early_stopping.h, SaveBest in model_export.h)
+  std::string save_best = "off";       ///< off | valid_loss | accuracy | the task's metric
+  std::string on_nonfinite = "fail";   ///< fail | skip: a step with an inf/NaN loss or gradient
+  std::string early_stopping = "off";  ///< off | valid_loss | accuracy | the task's metric
+  int64_t patience = 3;                ///< early stopping: epochs without an improvement
+  double min_delta = 0.0;              ///< early stopping: the least change that improves
   void visit(FieldVisitor& v) override;
   void check() const override;
 
  private:
   void visit_memory(FieldVisitor& v);
+  void visit_safety(FieldVisitor& v);
 };
 
 struct DataOptions : Options {

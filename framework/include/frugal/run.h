@@ -24,13 +24,22 @@ void check_config(const Config& c);
 /// run.checkpoint_epochs set, a CheckpointWriter writes to checkpoint_path(c.run).
 /// With `stop`, a StopCallback polls it: a requested stop checkpoints (also without
 /// run.checkpoint_every) and ends the fit; see stop.h. Checkpoints go through one
-/// CheckpointHistory (run.keep_checkpoints).
+/// CheckpointHistory (run.keep_checkpoints). The safety nets: a NonFiniteCheck
+/// (run.on_nonfinite), and with run.save_best a SaveBest writing best_model_path(c.run), with
+/// run.early_stopping an EarlyStopping; their metrics are checked against the task here
+/// (ConfigError naming the file and key).
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop = nullptr);
 
 /// The model the config describes, freshly initialised, for the shapes the config alone gives
 /// (no data is read): what load_run_model fills with a run's exported weights. Throws
 /// ConfigError naming the file and `model`.
 torch::nn::Sequential make_config_model(const Config& c);
+
+/// What the safety nets make_learner adds did, for the run report: {"nonfinite": the
+/// NonFiniteCheck's record (mode, skipped_steps, the event that failed or was last skipped),
+/// "early_stopping": EarlyStopping's record, "best_model": SaveBest's record}, each present when
+/// its callback is.
+nlohmann::json safety_records(const Learner& l);
 
 /// <out_dir>/checkpoints/last.ckpt: where a run's periodic checkpoints go.
 std::string checkpoint_path(const RunOptions& r);
