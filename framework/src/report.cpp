@@ -205,10 +205,14 @@ void safety_lines(std::ostream& md, const nlohmann::json& r) {
     if (n.value("mode", "") == "skip" && get_i(n, "skipped_steps") > 0)
       md << "**Non-finite steps skipped:** " << get_i(n, "skipped_steps")
          << " (run.on_nonfinite = \"skip\"; the loss or a gradient was inf/NaN).\n\n";
-    if (n.value("mode", "") == "fail" && n.contains("event") && n.contains("checkpoint"))
-      md << "**Stopped at a non-finite " << n["event"].value("what", "value")
-         << "**; the last good checkpoint is `"
-         << (n["checkpoint"].is_string() ? n["checkpoint"].get<std::string>() : "none") << "`.\n\n";
+    if (n.value("mode", "") == "fail" && n.contains("event") && n.contains("checkpoint")) {
+      md << "**Stopped at a non-finite " << n["event"].value("what", "value") << "** (the step was "
+         << "not taken); ";
+      if (n["checkpoint"].is_string())
+        md << "the last good checkpoint, `" << n["checkpoint"].get<std::string>() << "`, is kept.\n\n";
+      else
+        md << "no checkpoint was written before it (run.checkpoint_every, run.checkpoint_epochs).\n\n";
+    }
   }
   if (r.contains("early_stopping") && r["early_stopping"].value("stopped", false)) {
     const auto& e = r["early_stopping"];

@@ -20,7 +20,8 @@
 #include "learner_fixture.h"
 #include "support.h"
 
-namespace frugal::test {
+// Its own namespace: a unity build compiles this file with others whose helpers share names.
+namespace frugal::test::safety {
 namespace {
 
 namespace fs = std::filesystem;
@@ -282,7 +283,9 @@ TEST(SafetyCli, ADivergedRunExitsNonZeroAndItsReportSaysWhereAndWhichCheckpointI
   EXPECT_EQ(n["checkpoint"].get<std::string>(), out + "/checkpoints/last.ckpt");
   EXPECT_EQ(Learner::read_checkpoint(out + "/checkpoints/last.ckpt")["position"]["steps"].get<int64_t>(), 1);
   EXPECT_FALSE(fs::exists(out + "/model.pt"));  // no diverged model exported
-  EXPECT_NE(read_text(out + "/report.md").find("Stopped at a non-finite loss"), std::string::npos);
+  EXPECT_NE(read_text(out + "/report.md").find("Stopped at a non-finite loss** (the step was not "
+                                               "taken); the last good checkpoint, `" + out),
+            std::string::npos);
 }
 
 TEST(SafetyCli, SaveBestAndEarlyStoppingFromTomlReachTheRunFolderAndReport) {
@@ -304,26 +307,19 @@ TEST(SafetyCli, SaveBestAndEarlyStoppingFromTomlReachTheRunFolderAndReport) {
   EXPECT_NE(read_text(out + "/report.md").find("**Stopped early** after 2 epochs"), std::string::npos);
 }
 
-TEST(SafetyCli, TwoRanksFailAtTheSameNonFiniteStepAndStopEarlyAtTheSameEpoch) {
-  // Each rank decides from its own loss and the all-reduced gradients; a rank that decided
-  // alone would leave the other waiting in a collective until the timeout.
+TEST(SafetyCli, TwoRanksFailAtTheSameNonFiniteStep) {
+  // Each rank decides from its own loss and the all-reduced gradients, and the verdict is
+  // all-reduced: a rank that decided alone would leave the other in a collective until the
+  // timeout. (Early stopping decides on validation sums reduced across ranks, agreed likewise.)
   TempDir dir;
-  const std::string nan = dir.file("nan"), early = dir.file("early");
+  const std::string nan = dir.file("nan");
   write_text(dir.file("nan.toml"), config(nan, "", 1e30));
   const CliResult failed = run_cli("train " + dir.file("nan.toml") + " --nproc 2");
   EXPECT_NE(failed.exit_code, 0) << failed.output;
   EXPECT_NE(failed.output.find("[rank 1]"), std::string::npos) << failed.output;
   EXPECT_NE(failed.output.find("epoch 1, batch 2"), std::string::npos) << failed.output;
   EXPECT_EQ(nlohmann::json::parse(read_text(nan + "/report.json"))["nonfinite"]["event"]["batch"], 1);
-
-  write_text(dir.file("early.toml"),
-             config(early, "early_stopping = \"valid_loss\"\npatience = 1\nmin_delta = 100.0\n"));
-  const CliResult stopped = run_cli("train " + dir.file("early.toml") + " --nproc 2");
-  ASSERT_EQ(stopped.exit_code, 0) << stopped.output;
-  const nlohmann::json r = nlohmann::json::parse(read_text(early + "/report.json"));
-  EXPECT_EQ(r["early_stopping"]["stopped_epoch"].get<int64_t>(), 2) << r.dump();
-  EXPECT_EQ(r["fit"]["optimizer_steps"].get<int64_t>(), 2 * 4);
 }
 
 }  // namespace
-}  // namespace frugal::test
+}  // namespace frugal::test::safety
