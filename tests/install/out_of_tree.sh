@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a user does with an installed frugal: install it, build examples/custom_plugin out of
-# tree against the installed package, and train with the plugin.
+# tree against the installed package and train with the plugin, then build examples/cpp_api
+# out of tree and run it.
 #   out_of_tree.sh <frugal build dir> <frugal source dir> [cmake]
 set -euo pipefail
 build=$(cd "$1" && pwd)
@@ -44,4 +45,19 @@ grep -Eq "step [0-9]+: gradient norm" "$tmp/train.log" ||
   fail "the plugin's debug lines are missing (--log-level debug must reach plugin loggers)"
 grep -Eq "clipped [0-9]+ of [1-9][0-9]* steps" "$tmp/train.log" || fail "the plugin did not clip"
 grep -q '"grad_clip"' "$tmp/run/report.json" || fail "report.json does not name grad_clip"
-echo "OK: an out-of-tree plugin built against the installed frugal trained"
+
+step "configure and build examples/cpp_api against $prefix, run it on 512 Fashion-MNIST samples"
+"$cmake" -S "$src/examples/cpp_api" -B "$tmp/cpp-api" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" > "$tmp/configure-cpp-api.log" || { cat "$tmp/configure-cpp-api.log"; exit 1; }
+"$cmake" --build "$tmp/cpp-api" -j2
+[[ -x $tmp/cpp-api/frugal_cpp_api ]] || fail "the build did not produce frugal_cpp_api"
+# Linked against the installed library, not the build tree's.
+ldd "$tmp/cpp-api/frugal_cpp_api" | grep -q "$prefix/lib/libfrugal.so" ||
+  fail "frugal_cpp_api does not load $prefix/lib/libfrugal.so: $(ldd "$tmp/cpp-api/frugal_cpp_api" | grep frugal)"
+rc=0
+"$tmp/cpp-api/frugal_cpp_api" /usr/share/datasets/fashion-mnist 512 > "$tmp/cpp-api.log" 2>&1 || rc=$?
+[[ $rc -eq 0 ]] || { cat "$tmp/cpp-api.log"; fail "frugal_cpp_api exited with $rc"; }
+tail -n 1 "$tmp/cpp-api.log"
+grep -q "validation accuracy" "$tmp/cpp-api.log" || fail "frugal_cpp_api printed no validation accuracy"
+grep -q '"metric":"valid_loss"' "$tmp/cpp-api.log" || fail "frugal_cpp_api printed no early-stopping record"
+echo "OK: an out-of-tree plugin and the C++ API example built against the installed frugal ran"
