@@ -44,29 +44,52 @@ Tensor dynamic_map(bool is_signed) {
 
 namespace {
 int64_t blocks_of(int64_t n) { return (n + kBlock - 1) / kBlock; }
-}  // namespace
 
-Quantized quantize(const Tensor& x, const Tensor& map) {
-  const Tensor flat = x.detach().reshape({-1}).to(torch::kFloat);
+// Quantized in chunks of this many blocks: the search's int64 indices and float temporaries
+// (about 40 bytes per element) stay a few MiB instead of growing with the largest parameter.
+constexpr int64_t kChunkBlocks = 32;
+
+/// One chunk (whole blocks but perhaps the last) of a flat float32 tensor into `codes` and
+/// `absmax`, views of the result.
+void quantize_chunk(const Tensor& flat, const Tensor& map, Tensor codes, Tensor absmax) {
   const int64_t n = flat.numel(), nb = blocks_of(n);
   const Tensor padded = torch::constant_pad_nd(flat, {0, nb * kBlock - n}).view({nb, kBlock});
-  Quantized q;
-  q.absmax = padded.abs().amax(1);
+  absmax.copy_(padded.abs().amax(1));
   // An all-zero block divides by 1: its elements are 0, code 0.0.
-  const Tensor scale = torch::where(q.absmax > 0, q.absmax, torch::ones_like(q.absmax));
+  const Tensor scale = torch::where(absmax > 0, absmax, torch::ones_like(absmax));
   const Tensor normed = (padded / scale.unsqueeze(1)).reshape({-1}).narrow(0, 0, n);
   // The nearest code: the first code >= x and the one below it, the lower on a tie.
   const Tensor hi = torch::searchsorted(map, normed).clamp_(1, map.numel() - 1);
   const Tensor lo = hi - 1;
   const Tensor take_lo = (normed - map.index_select(0, lo)) <= (map.index_select(0, hi) - normed);
-  q.codes = torch::where(take_lo, lo, hi).to(torch::kUInt8);
+  codes.copy_(torch::where(take_lo, lo, hi));
+}
+}  // namespace
+
+Quantized quantize(const Tensor& x, const Tensor& map) {
+  const Tensor flat = x.detach().reshape({-1}).to(torch::kFloat);
+  const int64_t n = flat.numel(), chunk = kChunkBlocks * kBlock;
+  Quantized q;
+  q.codes = torch::empty({n}, flat.options().dtype(torch::kUInt8));
+  q.absmax = torch::empty({blocks_of(n)}, flat.options());
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const int64_t len = std::min(chunk, n - begin);
+    quantize_chunk(flat.narrow(0, begin, len), map, q.codes.narrow(0, begin, len),
+                   q.absmax.narrow(0, begin / kBlock, blocks_of(len)));
+  }
   return q;
 }
 
 Tensor dequantize(const Quantized& q, const Tensor& map) {
-  const int64_t n = q.codes.numel();
-  const Tensor values = map.index_select(0, q.codes.to(torch::kLong));
-  return values * q.absmax.repeat_interleave(kBlock).narrow(0, 0, n);
+  const int64_t n = q.codes.numel(), chunk = kChunkBlocks * kBlock;
+  Tensor out = torch::empty({n}, q.absmax.options());
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const int64_t len = std::min(chunk, n - begin);
+    const Tensor values = map.index_select(0, q.codes.narrow(0, begin, len).to(torch::kLong));
+    const Tensor scale = q.absmax.narrow(0, begin / kBlock, blocks_of(len)).repeat_interleave(kBlock);
+    out.narrow(0, begin, len).copy_(values * scale.narrow(0, 0, len));
+  }
+  return out;
 }
 
 }  // namespace quant8

@@ -262,9 +262,9 @@ OptimizerFactory adam8bit() {
       state = 0;
       for (const auto& shape : p.shapes) state += Adam8bit::state_bytes(numel_of(shape));
     }
-    // the largest parameter's two moments dequantized, Adam's sqrt and division, the codes'
-    // int64 indices while quantizing (2 bytes per 1 of float32)
-    return StepNeeds{state, (6 + decay_copies(o)) * p.largest};
+    // the largest parameter's two moments dequantized, Adam's sqrt and division; quantizing
+    // works in chunks of 65536 elements (about 40 bytes each: 2.5 MiB)
+    return StepNeeds{state, (4 + decay_copies(o)) * p.largest + (int64_t{5} << 19)};
   };
   return f;
 }
