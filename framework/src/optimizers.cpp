@@ -3,12 +3,15 @@
 #include "frugal/optimizers.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "frugal/adafactor.h"
+#include "frugal/adam8bit.h"
 #include "frugal/error.h"
 #include "options_toml.h"
 
@@ -54,6 +57,30 @@ struct AdagradKeys : Options {
   double eps = 1e-8;
   void visit(FieldVisitor& v) override {
     v.field("eps", eps, "term added to the denominator for stability", positive());
+  }
+};
+
+struct AdafactorKeys : Options {
+  double beta1 = 0.0;
+  double eps1 = 1e-30;
+  double eps2 = 1e-3;
+  double clip_threshold = 1.0;
+  double decay_rate = -0.8;
+  bool relative_step = false;
+  bool scale_parameter = false;
+  bool warmup_init = false;
+  void visit(FieldVisitor& v) override {
+    v.field("beta1", beta1, "first-moment decay; 0 = no first moment (no state for it)",
+            half_open(0, 1));
+    v.field("eps1", eps1, "added to the squared gradient", positive());
+    v.field("eps2", eps2, "least parameter scale (scale_parameter)", positive());
+    v.field("clip_threshold", clip_threshold, "an update's RMS is capped here", positive());
+    v.field("decay_rate", decay_rate, "second-moment decay at step t is 1 - t^decay_rate",
+            Limits{-std::numeric_limits<double>::infinity(), 0.0, false, true});
+    v.field("relative_step", relative_step,
+            "the paper's step size min(1e-2, 1/sqrt(t)) instead of lr");
+    v.field("scale_parameter", scale_parameter, "multiply the step size by RMS(parameter)");
+    v.field("warmup_init", warmup_init, "relative_step: grow the step size as 1e-6 t");
   }
 };
 
@@ -172,6 +199,76 @@ OptimizerFactory adagrad() {
   return f;
 }
 
+// ---- the optimizers with little state: adafactor and adam8bit (adafactor.h, adam8bit.h) ---
+// Their state follows the parameters' shapes, so step needs sum it over TrainableBytes::shapes
+// (the totals alone when shapes are unknown: adafactor then counts a factored matrix as none).
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+OptimizerFactory adafactor() {
+  OptimizerFactory f;
+  f.make_options = keys_of<AdafactorKeys>();
+  f.build = [](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
+    const auto k = o.own_as<AdafactorKeys>();
+    return std::make_unique<Adafactor>(std::move(params), AdafactorOptions(o.lr)
+                                                              .beta1(k.beta1)
+                                                              .eps1(k.eps1)
+                                                              .eps2(k.eps2)
+                                                              .clip_threshold(k.clip_threshold)
+                                                              .decay_rate(k.decay_rate)
+                                                              .relative_step(k.relative_step)
+                                                              .scale_parameter(k.scale_parameter)
+                                                              .warmup_init(k.warmup_init)
+                                                              .weight_decay(o.weight_decay));
+  };
+  f.state_bytes = state_bytes_of<Adafactor, AdafactorParamState>(
+      [](const AdafactorParamState& s) {
+        return tensor_bytes(s.exp_avg_sq_row()) + tensor_bytes(s.exp_avg_sq_col()) +
+               tensor_bytes(s.exp_avg_sq()) + tensor_bytes(s.exp_avg());
+      });
+  f.step_needs = [](const OptimizerOptions& o, const TrainableBytes& p) {
+    const bool momentum = o.own_as<AdafactorKeys>().beta1 > 0;
+    int64_t state = momentum ? p.total : 0;
+    if (!p.shapes.empty()) {
+      state = 0;
+      for (const auto& shape : p.shapes) state += Adafactor::state_bytes(shape, momentum);
+    }
+    // the squared gradient and the update, each the largest parameter's size
+    return StepNeeds{state, 2 * p.largest};
+  };
+  return f;
+}
+
+OptimizerFactory adam8bit() {
+  OptimizerFactory f;
+  f.make_options = keys_of<AdamKeys>();
+  f.build = [](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
+    const auto k = o.own_as<AdamKeys>();
+    return std::make_unique<Adam8bit>(std::move(params),
+                                      Adam8bitOptions(o.lr)
+                                          .betas(std::make_tuple(k.beta1, k.beta2))
+                                          .eps(k.eps)
+                                          .weight_decay(o.weight_decay));
+  };
+  f.state_bytes = state_bytes_of<Adam8bit, Adam8bitParamState>(
+      [](const Adam8bitParamState& s) { return s.bytes(); });
+  f.step_needs = [](const OptimizerOptions& o, const TrainableBytes& p) {
+    int64_t state = p.total / 2;  // 2 bytes per float32 parameter
+    if (!p.shapes.empty()) {
+      state = 0;
+      for (const auto& shape : p.shapes) state += Adam8bit::state_bytes(numel_of(shape));
+    }
+    // the largest parameter's two moments dequantized, Adam's sqrt and division; quantizing
+    // works in chunks of 65536 elements (about 40 bytes each: 2.5 MiB)
+    return StepNeeds{state, (4 + decay_copies(o)) * p.largest + (int64_t{5} << 19)};
+  };
+  return f;
+}
+
 // ---- OptimizerOptions' own keys ------------------------------------------------------------
 
 /// The own keys of optimizer `name` with their defaults; null when no optimizer has the name.
@@ -284,19 +381,29 @@ Registry<OptimizerFactory>& optimizers() {
     r.add("rmsprop", rmsprop(),
           "RMSprop: a running mean of squared gradients (1x the parameters; 2x with momentum)");
     r.add("adagrad", adagrad(), "Adagrad: the sum of squared gradients (1x the parameters)");
+    r.add("adafactor", adafactor(),
+          "Adafactor: a factored second moment (rows + columns of each matrix), no first "
+          "moment unless beta1 > 0, update clipping");
+    r.add("adam8bit", adam8bit(),
+          "8-bit Adam: both moments block-wise quantized to 1 byte (about 0.5x the "
+          "parameters; float32 for tensors under 4096 elements)");
     return true;
   }();
   (void)builtins;
   return r;
 }
 
+void TrainableBytes::add(const torch::Tensor& p) {
+  const auto bytes = static_cast<int64_t>(p.nbytes());
+  total += bytes;
+  largest = std::max(largest, bytes);
+  shapes.push_back(p.sizes().vec());
+}
+
 TrainableBytes trainable_bytes(const torch::nn::Module& m) {
   TrainableBytes p;
-  for (const auto& t : m.parameters()) {
-    if (!t.requires_grad()) continue;
-    p.total += static_cast<int64_t>(t.nbytes());
-    p.largest = std::max<int64_t>(p.largest, static_cast<int64_t>(t.nbytes()));
-  }
+  for (const auto& t : m.parameters())
+    if (t.requires_grad()) p.add(t);
   return p;
 }
 

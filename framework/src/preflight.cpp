@@ -107,8 +107,7 @@ HeldBytes held_bytes(const Config& c, torch::nn::Module& model) {
     const int64_t bytes = tensor_bytes(np.value());
     h.parameters += bytes;
     if (matches(np.key(), stage.freeze)) continue;
-    trained.total += bytes;
-    trained.largest = std::max(trained.largest, bytes);
+    trained.add(np.value());
   }
   for (const auto& b : model.buffers())
     if (seen.insert(b.unsafeGetTensorImpl()).second) h.buffers += tensor_bytes(b);

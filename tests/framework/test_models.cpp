@@ -306,7 +306,8 @@ TEST_F(Model, CnnSgdStepsLowerTheLoss) {
 // ---- optimizers ----------------------------------------------------------------------------
 
 TEST_F(Optimizer, BuildsEachNameAndSteps) {
-  for (const std::string name : {"adam", "adamw", "sgd", "rmsprop", "adagrad"}) {
+  for (const std::string name :
+       {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adafactor", "adam8bit"}) {
     auto w = torch::ones({3}, torch::requires_grad());
     OptimizerOptions o;
     o.name = name;
@@ -344,7 +345,7 @@ TEST_F(Optimizer, RejectsUnknownNamingAllowed) {
   auto msg = model_config_error([&] { make_optimizer(o, {torch::zeros({1}, torch::requires_grad())}); });
   EXPECT_NE(msg.find("unknown optimizer 'adma'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean 'adam'?"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("Available: adagrad, adam, adamw, rmsprop, sgd"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Available: adafactor, adagrad, adam, adam8bit, adamw, rmsprop, sgd"), std::string::npos) << msg;
 }
 
 }  // namespace

@@ -60,7 +60,8 @@ void one_step(torch::nn::Linear& lin, torch::optim::Optimizer& opt) {
 
 TEST(OptimizerRegistry, BuiltinsAreRegisteredWithTheirKeys) {
   EXPECT_EQ(optimizers().names(),
-            (std::vector<std::string>{"adagrad", "adam", "adamw", "rmsprop", "sgd"}));
+            (std::vector<std::string>{"adafactor", "adagrad", "adam", "adam8bit", "adamw", "rmsprop",
+                                      "sgd"}));
   auto keys = [](const std::string& name) {
     std::vector<std::string> out;
     for (const auto& f : describe_optimizer_keys(name)) out.push_back(f["key"]);
@@ -129,11 +130,11 @@ TEST(OptimizerRegistry, UnknownNameListsTheRegisteredNames) {
     make_optimizer(options("adma"), {torch::zeros({1}, torch::requires_grad())});
   });
   EXPECT_EQ(built,
-            "unknown optimizer 'adma'; did you mean 'adam'? Available: adagrad, adam, adamw, "
-            "rmsprop, sgd");
+            "unknown optimizer 'adma'; did you mean 'adam'? Available: adafactor, adagrad, adam, "
+            "adam8bit, adamw, rmsprop, sgd");
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"lamb\"\n"),
-            "cfg.toml:2:8: 'optimizer.name' must be one of adagrad, adam, adamw, rmsprop, sgd; "
-            "got \"lamb\"");
+            "cfg.toml:2:8: 'optimizer.name' must be one of adafactor, adagrad, adam, adam8bit, "
+            "adamw, rmsprop, sgd; got \"lamb\"");
 }
 
 // ---- an entry registered as a plugin would ---------------------------------------------------
@@ -201,7 +202,8 @@ TEST_F(PluginOptimizer, ItsNameAndKeysAreReadFromToml) {
 
 TEST_F(PluginOptimizer, KeysOfOtherOptimizersAreRefusedNamingIt) {
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\nbeta1 = 0.9\n"),
-            "cfg.toml:3:1: unknown key 'optimizer.beta1'. 'beta1' is a key of adam and adamw, "
+            "cfg.toml:3:1: unknown key 'optimizer.beta1'. 'beta1' is a key of adafactor, adam, "
+            "adam8bit and adamw, "
             "not of optimizer \"test_nesterov\". Allowed keys in [optimizer]: name, lr, "
             "weight_decay, momentum, warm_steps");
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\nmomentum = 1.5\n"),
@@ -211,7 +213,8 @@ TEST_F(PluginOptimizer, KeysOfOtherOptimizersAreRefusedNamingIt) {
 TEST_F(PluginOptimizer, UnregisteredItIsUnknownAgain) {
   optimizers().remove_owner("test-plugin");
   const std::string msg = optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\n");
-  EXPECT_NE(msg.find("must be one of adagrad, adam, adamw, rmsprop, sgd"), std::string::npos)
+  EXPECT_NE(msg.find("must be one of adafactor, adagrad, adam, adam8bit, adamw, rmsprop, sgd"),
+            std::string::npos)
       << msg;
 }
 
@@ -253,7 +256,7 @@ TEST(OptimizerKeys, AStageWithAnotherNameInheritsTheKeysItShares) {
   const std::string msg = optimizer_config_error(
       "[[stages]]\nname = \"a\"\n[stages.optimizer]\nname = \"sgd\"\neps = 1e-6\n");
   EXPECT_EQ(msg.rfind("cfg.toml:5:1: unknown key 'stages.0.optimizer.eps'. 'eps' is a key of "
-                      "adagrad, adam, adamw and rmsprop, not of optimizer \"sgd\".", 0), 0u)
+                      "adagrad, adam, adam8bit, adamw and rmsprop, not of optimizer \"sgd\".", 0), 0u)
       << msg;
 }
 

@@ -299,8 +299,8 @@ TEST(PluginHost, APluginsOptimizerIsNamedByTheConfigAndByOptimSwapsTarget) {
     load_config(dir.file("run.toml"));
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("'optimizer.name' must be one of adagrad, adam, adamw, "
-                                         "rmsprop, sgd; got \"fixture_sgd\""),
+    EXPECT_NE(std::string(e.what()).find("'optimizer.name' must be one of adafactor, adagrad, adam, adam8bit, "
+                                         "adamw, rmsprop, sgd; got \"fixture_sgd\""),
               std::string::npos)
         << e.what();
   }

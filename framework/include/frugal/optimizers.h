@@ -53,6 +53,11 @@ struct StepNeeds {
 struct TrainableBytes {
   int64_t total = 0;
   int64_t largest = 0;
+  /// Each one's shape, for an optimizer whose state depends on it (adafactor's factored
+  /// moments, adam8bit's small tensors); empty when only the totals are known.
+  std::vector<std::vector<int64_t>> shapes;
+  /// Adds a parameter: its bytes to the totals, its shape to shapes.
+  void add(const torch::Tensor& p);
 };
 TrainableBytes trainable_bytes(const torch::nn::Module& m);
 
@@ -74,7 +79,7 @@ struct OptimizerFactory {
   std::function<StepNeeds(const OptimizerOptions& o, const TrainableBytes& p)> step_needs;
 };
 
-/// The registry: adam, adamw, sgd, rmsprop, adagrad and what plugins add.
+/// The registry: adam, adamw, sgd, rmsprop, adagrad, adafactor, adam8bit and what plugins add.
 Registry<OptimizerFactory>& optimizers();
 
 /// Builds the optimizer `o.name` names over `params`. Throws ConfigError for an unknown name

@@ -1,0 +1,139 @@
+// step_in_backward: the optimizer step of each parameter from its AccumulateGrad post hook.
+#include "step_in_backward.h"
+
+#include <utility>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace frugal::step_in_backward {
+
+bool step_one(torch::optim::Optimizer& opt, const torch::Tensor& p) {
+  auto& groups = opt.param_groups();
+  std::vector<std::vector<torch::Tensor>> kept(groups.size());
+  bool found = false;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<torch::Tensor>& params = groups[g].params();
+    std::vector<torch::Tensor> only;
+    for (const auto& q : params)
+      if (q.is_same(p)) only.push_back(q);
+    found = found || !only.empty();
+    kept[g] = std::exchange(params, std::move(only));
+  }
+  // The groups are restored whatever the step does (an exception, an out-of-memory error).
+  struct Restore {
+    std::vector<torch::optim::OptimizerParamGroup>& groups;
+    std::vector<std::vector<torch::Tensor>>& kept;
+    ~Restore() {
+      for (size_t g = 0; g < groups.size(); ++g) groups[g].params() = std::move(kept[g]);
+    }
+  } restore{groups, kept};
+  if (found) opt.step();
+  return found;
+}
+
+namespace {
+/// The post hook: AccumulateGrad has just stored the parameter's complete gradient.
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(torch::Tensor p, GradReadyHooks::OnReady f) : param(std::move(p)), fn(std::move(f)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn(param);
+    return outputs;
+  }
+  torch::Tensor param;
+  GradReadyHooks::OnReady fn;
+};
+}  // namespace
+
+void GradReadyHooks::install(const std::vector<torch::Tensor>& params, OnReady on_ready) {
+  remove();
+  for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
+    std::shared_ptr<torch::autograd::Node> node = torch::autograd::impl::grad_accumulator(p);
+    if (!node) continue;
+    const uintptr_t key = node->add_post_hook(std::make_unique<ReadyHook>(p, on_ready));
+    hooks_.push_back({std::move(node), key});
+  }
+}
+
+void GradReadyHooks::remove() {
+  for (auto& h : hooks_) h.node->del_post_hook(h.key);
+  hooks_.clear();
+}
+
+// ---- the plugin ---------------------------------------------------------------------------
+
+StepInBackward::StepInBackward(const StepInBackwardOptions&, const frugal::PluginContext& ctx)
+    : log_(ctx.logger) {}
+
+void StepInBackward::before_stage(frugal::Learner& l) {
+  hooks_.install(l.model()->parameters(), [this](const torch::Tensor& p) { on_ready(p); });
+  log_->debug("hooked {} parameters", hooks_.size());
+}
+
+void StepInBackward::before_backward(frugal::Learner& l) {
+  if (l.loss_scale() != 1.0)
+    throw std::runtime_error(
+        "step_in_backward steps each parameter as soon as its gradient is complete, but the "
+        "loss is scaled (x" + std::to_string(l.loss_scale()) +
+        "): a loss scaler (amp with float16) must check every gradient for inf/NaN before any "
+        "step. Use [plugins.amp] dtype = \"bfloat16\" (no scaler), or turn step_in_backward off");
+  const bool last_micro = l.micro_index() + 1 >= l.micro_count();
+  if (l.step_skipped() && last_micro && !warned_skip_) {
+    warned_skip_ = true;
+    log_->warn("a callback skipped the step of batch {} (gradient accumulation over batches): "
+               "such batches keep their gradients whole, as without step_in_backward; only a "
+               "batch that steps steps in backward",
+               l.batch_index());
+  }
+  armed_ = last_micro && !l.step_skipped() && !l.batch_skipped();
+  learner_ = &l;
+  stepped_in_backward_ = 0;
+}
+
+void StepInBackward::after_backward(frugal::Learner&) { armed_ = false; }
+
+void StepInBackward::on_ready(const torch::Tensor& p) {
+  if (!armed_ || !learner_ || !p.grad().defined()) return;
+  if (step_one(learner_->optimizer(), p)) {
+    ++stepped_in_backward_;
+    ++stepped_total_;
+  }
+  // Freed whether stepped or not: a parameter no optimizer group holds is not trained.
+  torch::Tensor(p).mutable_grad().reset();
+}
+
+void StepInBackward::release_caches(frugal::Learner&) {
+  const bool broken = armed_ && stepped_in_backward_ > 0;
+  armed_ = false;
+  if (broken)
+    throw std::runtime_error(
+        "step_in_backward: out of memory in a backward that had already stepped " +
+        std::to_string(stepped_in_backward_) +
+        " parameters; the batch cannot be retried (it would step them twice). Lower "
+        "data.batch_size or set a smaller micro-batch (the gradients' memory is freed as each "
+        "parameter steps, so the rest is activations)");
+}
+
+void StepInBackward::after_fit(frugal::Learner&) {
+  hooks_.remove();
+  log_->info("{} parameter steps ran inside backward", stepped_total_);
+}
+
+namespace {
+/// data_parallel all-reduces gradients after backward: a step inside it would use this rank's
+/// gradients alone. A global-norm clipping (grad_clip) needs every gradient before any step.
+frugal::CallbackRelations relations() { return {{}, {"data_parallel", "grad_clip"}, false}; }
+}  // namespace
+
+frugal::CallbackRelations StepInBackward::relations() const { return step_in_backward::relations(); }
+
+}  // namespace frugal::step_in_backward
+
+FRUGAL_PLUGIN_EX(frugal::step_in_backward::StepInBackward,
+                 frugal::step_in_backward::StepInBackwardOptions, "step_in_backward",
+                 "each parameter's optimizer step inside backward, its gradient freed at once: "
+                 "the model's gradients are never all alive",
+                 "1.0.0", &frugal::step_in_backward::relations, nullptr)
