@@ -135,7 +135,8 @@ int run_lr_find(const LrFindArgs& a, spdlog::logger& log) {
   ensure_writable_dir(out);
   auto learner = make_learner(c);
   for (auto& cb : loaded.callbacks) learner->add_callback(cb);
-  learner->remove_callback("schedule");  // the finder sets the lr itself
+  learner->remove_callback("schedule");      // the finder sets the lr itself
+  learner->remove_callback("model_export");  // its weights are the sweep's: not a model to keep
   auto finder = std::make_shared<LrFinder>(a.start_lr, a.end_lr, a.num_it);
   learner->add_callback(finder);
   Stage sweep = c.stages.front();

@@ -319,15 +319,17 @@ TEST(MetricsHistory, AResumedFitKeepsTheRowsBeforeItsPositionAndWritesTheRest) {
   EXPECT_EQ(lines_of(read_all(dir.file("run/metrics.jsonl"))).size(), 10u);
   // TensorBoard: the resumed file starts with SessionLog START at the resumed step.
   int files = 0, starts = 0;
+  std::string names;
   for (const auto& e : std::filesystem::directory_iterator(dir.file("run/tensorboard"))) {
     ++files;
+    names += e.path().filename().string() + " ";
     for (const auto& ev : read_event_file(e.path().string()))
       if (ev.session_start) {
         ++starts;
         EXPECT_EQ(ev.step, 3);
       }
   }
-  EXPECT_EQ(files, 2);
+  EXPECT_EQ(files, 2) << names;
   EXPECT_EQ(starts, 1);
 }
 
