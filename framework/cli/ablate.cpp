@@ -27,7 +27,7 @@ namespace {
 
 constexpr const char* kPhases[] = {"forward", "backward", "step", "validate"};
 constexpr const char* kCategories[] = {"parameters", "gradients", "optimizer_state",
-                                       "activations", "data", "other"};
+                                       "activations", "data", "callbacks", "other"};
 
 /// One row of the results: a combination's measurements over its repeats.
 struct Row {
@@ -372,8 +372,8 @@ void runs_table(std::ostream& md, const std::vector<const Row*>& order) {
 void memory_table(std::ostream& md, const std::vector<const Row*>& order) {
   md << "\n## Where the memory is\n\nSteady state (a stage's third batch) and the peak of each "
         "phase.\n\n| run | parameters | gradients | optimizer state | activations | data | "
-        "other | forward peak | backward peak | step peak |\n|---|---:|---:|---:|---:|---:|---:|"
-        "---:|---:|---:|\n";
+        "held by callbacks | other | forward peak | backward peak | step peak |\n|---|---:|---:|"
+        "---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Row* r : order) {
     if (!r->ok) continue;
     md << "| " << r->run.name;

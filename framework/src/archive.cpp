@@ -357,6 +357,7 @@ StageStats stats_from_json(const nlohmann::json& j) {
   s.steady.optimizer_state = b.value("optimizer_state", int64_t{0});
   s.steady.activations = b.value("activations", int64_t{0});
   s.steady.data = b.value("data", int64_t{0});
+  s.steady.callbacks = b.value("callbacks", int64_t{0});
   s.steady.other = b.value("other", int64_t{0});
   s.steady_measured = j.at("steady_measured").get<bool>();
   for (const auto& t : j.at("step_seconds"))

@@ -43,7 +43,9 @@ void RunOptions::visit(FieldVisitor& v) {
   v.field("max_steps", max_steps,
           outside_training("stop the fit after this many batches; 0 = no limit"), at_least(0));
   v.field("log_every", log_every,
-          outside_training("batches between log lines when not on a terminal"), at_least(1));
+          outside_training("batches between log lines when not on a terminal, and between rows "
+                           "of the metrics history"),
+          at_least(1));
   v.field("progress", progress,
           outside_training("progress display; auto = a bar on a terminal, log lines otherwise"),
           {"auto", "bar", "log", "none"});
@@ -74,6 +76,7 @@ void RunOptions::visit(FieldVisitor& v) {
           "write a Chrome-trace JSON (Perfetto) of phase spans and live memory to this path; "
           "\"\" = off");
   visit_memory(v);
+  visit_history(v);
   visit_safety(v);
 }
 
@@ -113,6 +116,20 @@ void RunOptions::visit_memory(FieldVisitor& v) {
           outside_training("auto = before each stage, find the largest micro-batch that fits "
                            "memory_budget; off = whole batches (or a plugin's split)"),
           {"off", "auto"});
+}
+
+// The metrics history's outputs; they do not change what a run computes.
+void RunOptions::visit_history(FieldVisitor& v) {
+  v.field("metrics", metrics,
+          outside_training("write out_dir/metrics.csv and metrics.jsonl: a row every log_every "
+                           "batches and per epoch (loss, lr, samples/s, step time, live and peak "
+                           "memory, validation)"));
+  v.field("tensorboard", tensorboard,
+          outside_training("write the same scalars as TensorBoard event files in "
+                           "out_dir/tensorboard (tensorboard --logdir runs/)"));
+  v.field("plots", plots,
+          outside_training("draw loss, learning rate, validation and memory from metrics.csv "
+                           "into out_dir/metrics.svg and .png with gnuplot when the fit ends"));
 }
 
 void RunOptions::check() const {
@@ -197,6 +214,14 @@ void StageOptions::visit(FieldVisitor& v) {
           at_least(0));
   v.table("optimizer", optimizer, "this stage's optimizer; keys it omits inherit [optimizer]",
           &has_optimizer);
+  v.table("schedule", schedule, "this stage's learning-rate schedule (schedule.h)");
+}
+
+void StageOptions::check() const {
+  if (schedule.name == "cosine" && schedule.min_lr > optimizer.lr)
+    throw_config_error("'schedule.min_lr' (" + std::to_string(schedule.min_lr) +
+                       ") must not exceed the stage's optimizer lr (" +
+                       std::to_string(optimizer.lr) + ")");
 }
 
 void AblationOptions::visit(FieldVisitor& v) {

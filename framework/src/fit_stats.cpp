@@ -5,14 +5,16 @@
 namespace frugal {
 
 MemoryBreakdown steady_breakdown(const BatchMemory& b, int64_t parameters, int64_t optimizer_state,
-                                 int64_t data) {
+                                 int64_t data, int64_t callbacks) {
   MemoryBreakdown m;
   m.parameters = parameters;
   m.gradients = b.gradients;
   m.optimizer_state = optimizer_state;
   m.activations = std::max<int64_t>(0, b.forward_peak - b.live_before_forward);
   m.data = data;
-  m.other = std::max<int64_t>(0, b.live_before_forward - m.parameters - m.optimizer_state - m.data);
+  m.callbacks = callbacks;
+  m.other = std::max<int64_t>(0, b.live_before_forward - m.parameters - m.optimizer_state - m.data -
+                                     m.callbacks);
   return m;
 }
 

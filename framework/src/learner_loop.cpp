@@ -365,8 +365,10 @@ void Learner::run_step() {
 
 // The steady state: nothing is walked once the stage has it.
 void Learner::measure_steady(const BatchMemory& mem, int64_t stage_batch) {
+  int64_t held = 0;  // callbacks' histories and caches: a column, not part of "other"
+  for (const auto& cb : callbacks_) held += cb->held_bytes();
   stats_.offer_steady(steady_breakdown(mem, parameter_bytes(*model_),
-                                       optimizer_state_bytes(*optimizer_), data_bytes()),
+                                       optimizer_state_bytes(*optimizer_), data_bytes(), held),
                       stage_batch);
 }
 

@@ -29,7 +29,8 @@ std::string_view to_string(Phase p) {
 void to_json(nlohmann::json& j, const MemoryBreakdown& b) {
   j = {{"parameters", b.parameters},   {"gradients", b.gradients},
        {"optimizer_state", b.optimizer_state}, {"activations", b.activations},
-       {"data", b.data},               {"other", b.other},             {"total", b.total()}};
+       {"data", b.data},               {"callbacks", b.callbacks},
+       {"other", b.other},             {"total", b.total()}};
 }
 
 namespace {

@@ -257,14 +257,14 @@ std::string report_markdown(const nlohmann::json& r) {
   const bool lm = fit.value("task", "") == "language_model";
   stage_table(md, fit, lm);
   md << "\nSteady state (a stage's third batch): what holds the memory\n\n";
-  md << "| stage | parameters | gradients | optimizer state | activations | data | other |\n";
-  md << "|---|---|---|---|---|---|---|\n";
+  md << "| stage | parameters | gradients | optimizer state | activations | data | held by callbacks | other |\n";
+  md << "|---|---|---|---|---|---|---|---|\n";
   for (const auto& s : fit["stages"]) {
     const auto& b = s["steady"];
     md << "| " << s["name"].get<std::string>() << " | " << format_bytes(get_i(b, "parameters")) << " | "
        << format_bytes(get_i(b, "gradients")) << " | " << format_bytes(get_i(b, "optimizer_state"))
        << " | " << format_bytes(get_i(b, "activations")) << " | " << format_bytes(get_i(b, "data"))
-       << " | " << format_bytes(get_i(b, "other")) << " |\n";
+       << " | " << format_bytes(get_i(b, "callbacks")) << " | " << format_bytes(get_i(b, "other")) << " |\n";
   }
   md << "\nPeak live memory " << format_bytes(get_i(fit, "peak_bytes"));
   if (r.contains("reserved_peak_bytes"))

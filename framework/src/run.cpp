@@ -16,9 +16,11 @@
 #include "frugal/early_stopping.h"
 #include "frugal/error.h"
 #include "frugal/memory.h"
+#include "frugal/metrics_log.h"
 #include "frugal/model_export.h"
 #include "frugal/nonfinite.h"
 #include "frugal/registry.h"
+#include "frugal/schedule.h"
 #include "frugal/threads.h"
 #include "frugal/trace.h"
 
@@ -171,6 +173,20 @@ void add_thread_tuner(const Config& c, Learner& l) {
   if (tune) l.set_warmup_batches(std::max(c.run.warmup, ThreadTuner::kSteps));
 }
 
+// The stage's learning-rate schedule (every run: it keeps no state), and the metrics history,
+// written by rank 0 only.
+void add_history_callbacks(const Config& c, Learner& l) {
+  l.add_callback(std::make_shared<ScheduleCallback>());
+  if (!World::get().is_main() || !(c.run.metrics || c.run.tensorboard)) return;
+  MetricsHistoryOptions h;
+  h.dir = c.run.out_dir;
+  h.log_every = c.run.log_every;
+  h.tables = c.run.metrics;
+  h.tensorboard = c.run.tensorboard;
+  h.plots = c.run.plots;
+  l.add_callback(std::make_shared<MetricsHistory>(h));
+}
+
 // run.on_nonfinite, run.save_best, run.early_stopping: the metrics are checked against the
 // learner's task here, before any work.
 void add_safety_nets(const Config& c, Learner& l) {
@@ -245,6 +261,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   add_thread_tuner(c, *learner);
   if (!c.run.trace.empty() && world.is_main())
     learner->add_callback(std::make_shared<TraceCallback>(c.run.trace));
+  add_history_callbacks(c, *learner);
   OomPolicy oom;
   oom.budget = c.run.memory_budget.bytes;
   oom.retry = c.run.on_oom == "retry";

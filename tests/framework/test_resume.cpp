@@ -471,9 +471,9 @@ TEST(ResumeConfig, TheMarkedRunKeysAreExactlyTheOnesThatMayDiffer) {
                       "distributed.backend", "distributed.bucket_size", "distributed.timeout",
                       "run.checkpoint_epochs", "run.checkpoint_every", "run.device",
                       "run.keep_checkpoints", "run.log_every", "run.max_steps",
-                      "run.memory_budget", "run.micro_batch", "run.on_oom", "run.oom_retries",
-                      "run.out_dir", "run.preempt_signal", "run.progress", "run.resume",
-                      "run.threads"}));
+                      "run.memory_budget", "run.metrics", "run.micro_batch", "run.on_oom",
+                      "run.oom_retries", "run.out_dir", "run.plots", "run.preempt_signal",
+                      "run.progress", "run.resume", "run.tensorboard", "run.threads"}));
 }
 
 TEST(ResumeConfig, AKeyMarkedOutsideTrainingMayDifferAnyOtherMayNot) {

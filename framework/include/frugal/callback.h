@@ -30,6 +30,7 @@ class ForwardNext {
 ///
 ///   kTrace               the timeline: its spans include every other hook
 ///   kCheckpointWriter    saves in after_* once every other callback has updated its state
+///   kMetricsHistory      writes a row in after_* once the others updated (before checkpoints)
 ///   kModelExport         writes the trained model once the fit's other after_fit hooks ran
 ///   kBestModel           keeps the best model (run.save_best) after a validation
 ///   kEarlyStopping       ends the fit when the validation metric stops improving
@@ -37,6 +38,7 @@ class ForwardNext {
 ///   kModelRewrite        rewrites the model's modules (in-place activations)
 ///   kOptimizerSwap       replaces the optimizer
 ///   kPurge               releases what the previous stage left (after a swap freed its state)
+///   kSchedule            sets the batch's learning rate (after a swap set the optimizer)
 ///   kDefault             a callback that states no order
 ///   -- around the forward, outermost first --
 ///   kBatchGrouping       groups batches into steps, splits them (micro-batches, batch weights)
@@ -52,12 +54,14 @@ class ForwardNext {
 namespace order {
 inline constexpr int kTrace = -1000000;
 inline constexpr int kCheckpointWriter = -1000;
+inline constexpr int kMetricsHistory = -950;
 inline constexpr int kModelExport = -900;
 inline constexpr int kBestModel = -890;
 inline constexpr int kEarlyStopping = -200;
 inline constexpr int kModelRewrite = -100;
 inline constexpr int kOptimizerSwap = -20;
 inline constexpr int kPurge = -10;
+inline constexpr int kSchedule = -5;
 inline constexpr int kDefault = 0;
 inline constexpr int kBatchGrouping = 10;
 inline constexpr int kPrecision = 50;

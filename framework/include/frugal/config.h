@@ -32,6 +32,10 @@ struct RunOptions : Options {
   std::string on_oom = "fail";         ///< fail | retry
   int64_t oom_retries = 4;             ///< retry: out-of-memory errors allowed on one batch
   std::string micro_batch = "off";     ///< off | auto (the largest that fits memory_budget)
+  // the metrics history (metrics_log.h): a row every log_every batches and per epoch
+  bool metrics = true;                 ///< out_dir/metrics.csv and metrics.jsonl
+  bool tensorboard = true;             ///< out_dir/tensorboard/events.out.tfevents.*
+  bool plots = true;                   ///< out_dir/metrics.svg and .png, drawn by gnuplot
   // safety nets (nonfinite.h, early_stopping.h, SaveBest in model_export.h)
   std::string save_best = "off";       ///< off | valid_loss | accuracy | the task's metric
   std::string on_nonfinite = "fail";   ///< fail | skip: a step with an inf/NaN loss or gradient
@@ -43,6 +47,7 @@ struct RunOptions : Options {
 
  private:
   void visit_memory(FieldVisitor& v);
+  void visit_history(FieldVisitor& v);
   void visit_safety(FieldVisitor& v);
 };
 
@@ -140,6 +145,24 @@ struct LossOptions : Options {
   void visit(FieldVisitor& v) override;
 };
 
+/// [stages.schedule]: the stage's learning-rate schedule; its peak is the stage's optimizer's
+/// `lr`. The formulas and the callback applying them: schedule.h.
+struct ScheduleOptions : Options {
+  std::string name = "constant";  ///< constant | linear_warmup | cosine | one_cycle | step
+  int64_t warmup_steps = 0;       ///< linear_warmup, cosine: batches rising linearly to lr
+  double min_lr = 0.0;            ///< cosine: the learning rate at the stage's end
+  double pct_start = 0.25;        ///< one_cycle: share of the stage spent rising
+  double div = 25.0;              ///< one_cycle: starts at lr / div
+  double div_final = 1e5;         ///< one_cycle: ends at lr / div_final
+  bool cycle_momentum = true;     ///< one_cycle: momentum (Adam's beta1) from mom_max down and back
+  double mom_max = 0.95;          ///< one_cycle: momentum at the start and the end
+  double mom_min = 0.85;          ///< one_cycle: momentum at the peak learning rate
+  int64_t step_size = 0;          ///< step: batches between decays; must be set
+  double gamma = 0.1;             ///< step: factor of each decay
+  void visit(FieldVisitor& v) override;
+  void check() const override;
+};
+
 /// One stage: epochs with one setup (frozen prefixes, image size, optimizer).
 struct StageOptions : Options {
   std::string name = "train";
@@ -149,7 +172,9 @@ struct StageOptions : Options {
   int64_t seq_len = 0;              ///< text: tokens per training window; 0 = data.block_size
   OptimizerOptions optimizer;       ///< inherits [optimizer]; used when has_optimizer
   bool has_optimizer = false;       ///< the stage has its own [stages.optimizer] table
+  ScheduleOptions schedule;         ///< [stages.schedule]; default constant
   void visit(FieldVisitor& v) override;
+  void check() const override;
 };
 
 /// [ablation]: what `frugal ablate` and `frugal plan` vary. Every run is the config itself with

@@ -45,11 +45,12 @@ struct BatchMemory {
   int64_t gradients = 0;     ///< gradient bytes after its last backward
 };
 
-/// The bytes a steady batch holds by kind: parameters, gradients and optimizer state as given,
-/// activations = what the forward added, other = what was live before the forward and is none
-/// of parameters, optimizer state and data (the batch, caches).
+/// The bytes a steady batch holds by kind: parameters, gradients, optimizer state, data and
+/// what callbacks hold (their held_bytes()) as given, activations = what the forward added,
+/// other = what was live before the forward and is none of parameters, optimizer state, data
+/// and callbacks' (the batch, caches).
 MemoryBreakdown steady_breakdown(const BatchMemory& b, int64_t parameters, int64_t optimizer_state,
-                                 int64_t data);
+                                 int64_t data, int64_t callbacks = 0);
 
 /// The q-quantile (0..1) of `v` by linear interpolation; 0 for an empty `v`.
 double percentile(std::vector<double> v, double q);

@@ -31,9 +31,10 @@ struct MemoryBreakdown {
   int64_t optimizer_state = 0;  ///< the optimizer's per-parameter state (moments, momentum)
   int64_t activations = 0;      ///< peak bytes the forward pass added over the step's start
   int64_t data = 0;             ///< the datasets held in memory
+  int64_t callbacks = 0;        ///< held by callbacks: the sum of their held_bytes() (an EMA)
   int64_t other = 0;            ///< live bytes in none of the categories above (batch, caches)
   int64_t total() const {
-    return parameters + gradients + optimizer_state + activations + data + other;
+    return parameters + gradients + optimizer_state + activations + data + callbacks + other;
   }
 };
 void to_json(nlohmann::json& j, const MemoryBreakdown& b);

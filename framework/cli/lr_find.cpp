@@ -1,0 +1,164 @@
+// `frugal lr_find`: fastai's learning-rate finder (Learner.lr_find): the learning rate grows
+// exponentially batch by batch while the smoothed training loss is recorded; the sweep stops
+// when the loss diverges. The suggestion is fastai's default, `valley`.
+#include "lr_find.h"
+
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "frugal/error.h"
+#include "frugal/learner.h"
+#include "frugal/metrics_log.h"
+#include "frugal/plugin_host.h"
+#include "frugal/report.h"
+#include "frugal/run.h"
+#include "frugal/schedule.h"
+
+namespace frugal::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+/// Sets lr_i = start * (end / start)^(i / (n - 1)) before each batch and records the smoothed
+/// loss after it (fastai's exponentially weighted average, beta 0.98, debiased).
+class LrFinder : public Callback {
+ public:
+  LrFinder(double start, double end, int64_t n) : start_(start), end_(end), n_(n) {}
+  std::string name() const override { return "lr_find"; }
+  int order() const override { return order::kSchedule; }
+  void before_batch(Learner& l) override {
+    const double p = n_ > 1 ? static_cast<double>(i_) / static_cast<double>(n_ - 1) : 0.0;
+    lr_ = start_ * std::pow(end_ / start_, p);
+    set_learning_rate(l.optimizer(), lr_);
+  }
+  void after_batch(Learner& l) override {
+    if (!l.loss().defined()) return;
+    const double loss = l.loss().item<double>();
+    avg_ = 0.98 * avg_ + 0.02 * loss;
+    const double smooth = avg_ / (1.0 - std::pow(0.98, static_cast<double>(i_ + 1)));
+    lrs.push_back(lr_);
+    losses.push_back(smooth);
+    best_ = i_ == 0 ? smooth : std::min(best_, smooth);
+    ++i_;
+    if (i_ >= n_) {
+      l.stop_fit();
+    } else if (!std::isfinite(smooth) || smooth > 4.0 * best_) {
+      diverged = true;
+      l.stop_fit();
+    }
+  }
+  std::vector<double> lrs, losses;
+  bool diverged = false;
+
+ private:
+  double start_, end_;
+  int64_t n_, i_ = 0;
+  double lr_ = 0, avg_ = 0, best_ = 0;
+};
+
+std::string sweep_csv(const std::vector<double>& lrs, const std::vector<double>& losses) {
+  std::ostringstream os;
+  os << "lr,loss\n" << std::setprecision(9);
+  for (size_t i = 0; i < lrs.size(); ++i) os << lrs[i] << ',' << losses[i] << '\n';
+  return os.str();
+}
+
+std::string sweep_script(double suggestion) {
+  std::ostringstream gp;
+  gp << "# gnuplot lr_find.gp (run in this folder) draws lr_find.svg and lr_find.png\n"
+     << "set datafile separator ','\n"
+     << "png_term = strstrt(GPVAL_TERMINALS, 'pngcairo') > 0 ? 'pngcairo' : 'png'\n"
+     << "do for [k = 1:2] {\n"
+     << "  if (k == 1) { set terminal svg size 900,520 dynamic font 'sans,11'; set output 'lr_find.svg' }\n"
+     << "  if (k == 2) { eval(sprintf('set terminal %s size 900,520', png_term)); set output 'lr_find.png' }\n"
+     << "  set title 'learning-rate finder: smoothed training loss'\n  set logscale x\n  set grid\n"
+     << "  set xlabel 'learning rate'\n  set ylabel 'loss'\n  set format x '%.0e'\n"
+     << "  set arrow 1 from " << suggestion << ", graph 0 to " << suggestion
+     << ", graph 1 nohead lc rgb '#cc6677' dt 2\n"
+     << "  plot 'lr_find.csv' skip 1 using 1:2 with lines lw 2 lc rgb '#4477aa' title 'loss', "
+        "NaN with lines lc rgb '#cc6677' dt 2 title sprintf('valley %.2e', " << suggestion << ")\n"
+     << "}\n";
+  return gp.str();
+}
+
+}  // namespace
+
+// fastai's valley (fastai/callback/schedule.py): the longest increasing run of "loss below an
+// earlier loss" ends at max_end; the suggestion sits a third plus a sixth of that run's length
+// past its start.
+size_t valley_index(const std::vector<double>& losses) {
+  const size_t n = losses.size();
+  if (n < 2) return 0;
+  std::vector<size_t> lds(n, 1);
+  size_t max_start = 0, max_end = 0;
+  for (size_t i = 1; i < n; ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (losses[i] < losses[j] && lds[i] < lds[j] + 1) lds[i] = lds[j] + 1;
+      if (lds[max_end] < lds[i]) {
+        max_end = i;
+        max_start = max_end - lds[max_end];
+      }
+    }
+  }
+  const double sections = static_cast<double>(max_end - max_start) / 3.0;
+  return max_start + static_cast<size_t>(sections) + static_cast<size_t>(sections / 2.0);
+}
+
+CLI::App* add_lr_find_command(CLI::App& app, LrFindArgs& a) {
+  auto* cmd = app.add_subcommand("lr_find", "fastai's learning-rate finder: loss against an "
+                                            "exponentially growing lr, and a suggestion");
+  cmd->add_option("config", a.config, "the run's TOML file")->required();
+  cmd->add_option("--set", a.sets, "override a key, e.g. --set data.batch_size=64 (repeatable)");
+  cmd->add_option("--start-lr", a.start_lr, "the sweep's first learning rate")->check(CLI::PositiveNumber);
+  cmd->add_option("--end-lr", a.end_lr, "the sweep's last learning rate")->check(CLI::PositiveNumber);
+  cmd->add_option("--num-it", a.num_it, "batches in the sweep")->check(CLI::Range(int64_t{2}, int64_t{100000}));
+  cmd->add_option("--out", a.out, "folder for lr_find.csv and its plot; default <run.out_dir>/lr_find");
+  return cmd;
+}
+
+int run_lr_find(const LrFindArgs& a, spdlog::logger& log) {
+  if (a.end_lr <= a.start_lr)
+    throw ConfigError("lr_find: --end-lr (" + std::to_string(a.end_lr) + ") must be above --start-lr (" +
+                      std::to_string(a.start_lr) + ")");
+  ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
+  Config& c = loaded.config;
+  const std::string out = a.out.empty() ? (fs::path(c.run.out_dir) / "lr_find").string() : a.out;
+  // The sweep is not a run: nothing of a run's own output is written.
+  c.run.metrics = c.run.tensorboard = c.run.plots = false;
+  c.run.checkpoint_every = c.run.checkpoint_epochs = 0;
+  c.run.max_steps = 0;
+  c.run.out_dir = out;
+  ensure_writable_dir(out);
+  auto learner = make_learner(c);
+  for (auto& cb : loaded.callbacks) learner->add_callback(cb);
+  learner->remove_callback("schedule");      // the finder sets the lr itself
+  learner->remove_callback("model_export");  // its weights are the sweep's: not a model to keep
+  auto finder = std::make_shared<LrFinder>(a.start_lr, a.end_lr, a.num_it);
+  learner->add_callback(finder);
+  Stage sweep = c.stages.front();
+  sweep.schedule = ScheduleOptions{};
+  sweep.epochs = (a.num_it + learner->train_data().num_batches() - 1) / learner->train_data().num_batches();
+  learner->fit(std::vector<Stage>{sweep});
+  // fastai leaves out the last 5 points, where the loss runs away.
+  std::vector<double> lrs = finder->lrs, losses = finder->losses;
+  const size_t keep = lrs.size() > 10 ? lrs.size() - 5 : lrs.size();
+  lrs.resize(keep);
+  losses.resize(keep);
+  if (lrs.empty()) throw Error("lr_find: no batch ran; the data has no training batch");
+  const double suggestion = lrs[valley_index(losses)];
+  write_file_atomic((fs::path(out) / "lr_find.csv").string(), sweep_csv(finder->lrs, finder->losses));
+  write_file_atomic((fs::path(out) / "lr_find.gp").string(), sweep_script(suggestion));
+  std::string why;
+  if (!run_gnuplot(out, "lr_find.gp", why)) log.warn("no lr_find plot: {}", why);
+  log.info("lr_find: {} batches from {:.1e} to {:.2e}{}; the loss against lr is in {}/lr_find.csv",
+           finder->lrs.size(), finder->lrs.front(), finder->lrs.back(),
+           finder->diverged ? " (stopped: the loss diverged)" : "", out);
+  std::cout << "suggested lr (valley): " << std::setprecision(3) << suggestion << "\n";
+  return 0;
+}
+
+}  // namespace frugal::cli

@@ -1,0 +1,469 @@
+// Learning-rate schedules, the metrics history (metrics.csv, metrics.jsonl), TensorBoard event
+// files and the "held by callbacks" column of the steady-state breakdown.
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cli_support.h"
+#include "frugal/frugal.h"
+#include "learner_fixture.h"
+#include "support.h"
+
+namespace frugal::test {
+namespace {
+
+constexpr double kPiTest = 3.14159265358979323846;
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  for (std::string line; std::getline(ss, line);) out.push_back(line);
+  return out;
+}
+
+std::vector<std::string> csv_fields(const std::string& line) {
+  std::vector<std::string> out;
+  std::stringstream ss(line);
+  for (std::string f; std::getline(ss, f, ',');) out.push_back(f);
+  if (!line.empty() && line.back() == ',') out.emplace_back();
+  return out;
+}
+
+ScheduleOptions schedule_named(const std::string& name) {
+  ScheduleOptions s;
+  s.name = name;
+  return s;
+}
+
+/// Records the optimizer's learning rate and momentum (Adam's beta1) at every step.
+struct LrProbe : Callback {
+  std::string name() const override { return "lr_probe"; }
+  void before_step(Learner& l) override {
+    lrs.push_back(learning_rate(l.optimizer()));
+    auto& o = static_cast<torch::optim::AdamOptions&>(l.optimizer().param_groups()[0].options());
+    moms.push_back(std::get<0>(o.betas()));
+  }
+  std::vector<double> lrs, moms;
+};
+
+/// Saves a checkpoint after the n-th batch and stops the fit.
+struct HistSaveAndStop : Callback {
+  HistSaveAndStop(std::string path, int n) : path(std::move(path)), n(n) {}
+  std::string name() const override { return "hist_save_and_stop"; }
+  int order() const override { return -2000; }  // last in after_* events
+  void after_batch(Learner& l) override {
+    if (++seen != n) return;
+    l.save_checkpoint(path, {{"note", "test"}});
+    l.stop_fit();
+  }
+  std::string path;
+  int n, seen = 0;
+};
+
+/// Keeps a tensor alive across the fit and says so.
+struct Holder : Callback {
+  std::string name() const override { return "holder"; }
+  void before_fit(Learner&) override { kept = torch::zeros({4096}); }  // 16 KiB of floats
+  int64_t held_bytes() const override { return kept.defined() ? static_cast<int64_t>(kept.nbytes()) : 0; }
+  torch::Tensor kept;
+};
+
+TinySetup history_setup() {
+  TinySetup s;  // 64 samples in batches of 16: 4 batches an epoch, validation on 32
+  s.shuffle = false;
+  return s;
+}
+
+MetricsHistoryOptions history_in(const std::string& dir, int64_t log_every) {
+  MetricsHistoryOptions h;
+  h.dir = dir;
+  h.log_every = log_every;
+  h.plots = false;
+  return h;
+}
+
+}  // namespace
+
+// ---- schedules: each formula, per batch ---------------------------------------------------
+
+TEST(Schedule, EachScheduleFollowsItsFormula) {
+  const double lr = 0.01;
+  const int64_t n = 20;
+  for (int64_t i = 0; i < n; ++i) EXPECT_DOUBLE_EQ(schedule_lr(schedule_named("constant"), lr, i, n), lr);
+
+  ScheduleOptions warm = schedule_named("linear_warmup");
+  warm.warmup_steps = 4;
+  for (int64_t i = 0; i < n; ++i)
+    EXPECT_DOUBLE_EQ(schedule_lr(warm, lr, i, n), i < 4 ? lr * (i + 1) / 4.0 : lr) << i;
+
+  ScheduleOptions cos = schedule_named("cosine");
+  cos.warmup_steps = 4;
+  cos.min_lr = 1e-4;
+  for (int64_t i = 0; i < n; ++i) {
+    const double t = (i - 4) / 16.0;
+    const double want = i < 4 ? lr * (i + 1) / 4.0 : 1e-4 + (lr - 1e-4) * 0.5 * (1 + std::cos(kPiTest * t));
+    EXPECT_NEAR(schedule_lr(cos, lr, i, n), want, 1e-15) << i;
+  }
+  EXPECT_DOUBLE_EQ(schedule_lr(cos, lr, 4, n), lr);                        // the peak after warm-up
+  EXPECT_NEAR(schedule_lr(cos, lr, 12, n), (lr + 1e-4) / 2, 1e-15);        // half-way down
+
+  ScheduleOptions step = schedule_named("step");
+  step.step_size = 6;
+  step.gamma = 0.5;
+  for (int64_t i = 0; i < n; ++i) EXPECT_DOUBLE_EQ(schedule_lr(step, lr, i, n), lr * std::pow(0.5, i / 6)) << i;
+}
+
+TEST(Schedule, OneCycleIsFastaisCombinedCosine) {
+  ScheduleOptions s = schedule_named("one_cycle");  // pct_start 0.25, div 25, div_final 1e5
+  const double lr = 0.004;
+  const int64_t n = 40;  // the peak at batch 10
+  auto ramp = [](double a, double b, double q) { return a + (1 + std::cos(kPiTest * (1 - q))) * (b - a) / 2; };
+  for (int64_t i = 0; i < n; ++i) {
+    const double p = static_cast<double>(i) / n;
+    const double want = p < 0.25 ? ramp(lr / 25, lr, p / 0.25) : ramp(lr, lr / 1e5, (p - 0.25) / 0.75);
+    EXPECT_NEAR(schedule_lr(s, lr, i, n), want, 1e-15) << i;
+    const double mom = p < 0.25 ? ramp(0.95, 0.85, p / 0.25) : ramp(0.85, 0.95, (p - 0.25) / 0.75);
+    EXPECT_NEAR(*schedule_momentum(s, i, n), mom, 1e-15) << i;
+  }
+  // Its shape: starts at lr/div, rises to lr at pct_start, falls towards lr/div_final.
+  EXPECT_DOUBLE_EQ(schedule_lr(s, lr, 0, n), lr / 25);
+  EXPECT_DOUBLE_EQ(schedule_lr(s, lr, 10, n), lr);
+  for (int64_t i = 1; i <= 10; ++i) EXPECT_GT(schedule_lr(s, lr, i, n), schedule_lr(s, lr, i - 1, n));
+  for (int64_t i = 11; i < n; ++i) EXPECT_LT(schedule_lr(s, lr, i, n), schedule_lr(s, lr, i - 1, n));
+  EXPECT_LT(schedule_lr(s, lr, n - 1, n), lr / 25 / 10);
+  s.cycle_momentum = false;
+  EXPECT_FALSE(schedule_momentum(s, 3, n).has_value());
+}
+
+TEST(Schedule, TheLearnerStepsWithTheStagesScheduleOverItsBatches) {
+  auto l = make_tiny_learner(history_setup());  // adam, lr 1e-2, 4 batches an epoch
+  auto probe = std::make_shared<LrProbe>();
+  l->add_callback(std::make_shared<ScheduleCallback>());
+  l->add_callback(probe);
+  Stage cycle = make_stage("cycle", 2);  // 8 batches
+  cycle.schedule = schedule_named("one_cycle");
+  Stage after = make_stage("after", 1);  // constant: the optimizer's own lr and beta1 again
+  l->fit(std::vector<Stage>{cycle, after});
+  ASSERT_EQ(probe->lrs.size(), 12u);
+  for (int64_t i = 0; i < 8; ++i) {
+    EXPECT_DOUBLE_EQ(probe->lrs[i], schedule_lr(cycle.schedule, 1e-2, i, 8)) << i;
+    EXPECT_DOUBLE_EQ(probe->moms[i], *schedule_momentum(cycle.schedule, i, 8)) << i;
+  }
+  for (size_t i = 8; i < 12; ++i) {
+    EXPECT_DOUBLE_EQ(probe->lrs[i], 1e-2);
+    EXPECT_DOUBLE_EQ(probe->moms[i], 0.9);
+  }
+}
+
+TEST(Schedule, AResumedFitContinuesTheScheduleExactly) {
+  TempDir dir;
+  Stage cos = make_stage("cos", 3);  // 12 batches
+  cos.schedule = schedule_named("cosine");
+  cos.schedule.warmup_steps = 3;
+  const std::vector<Stage> stages{cos};
+  auto ref = make_tiny_learner(history_setup());
+  auto ref_probe = std::make_shared<LrProbe>();
+  ref->add_callback(std::make_shared<ScheduleCallback>());
+  ref->add_callback(ref_probe);
+  ref->fit(stages);
+  ASSERT_EQ(ref_probe->lrs.size(), 12u);
+
+  auto probe = std::make_shared<LrProbe>();
+  {
+    auto first = make_tiny_learner(history_setup());
+    first->add_callback(std::make_shared<ScheduleCallback>());
+    first->add_callback(probe);
+    first->add_callback(std::make_shared<HistSaveAndStop>(dir.file("ck"), 6));  // mid-epoch 2
+    first->fit(stages);
+  }
+  auto second = make_tiny_learner(history_setup());
+  second->add_callback(std::make_shared<ScheduleCallback>());
+  second->add_callback(probe);
+  second->load_checkpoint(dir.file("ck"));
+  second->fit(stages);
+  ASSERT_EQ(probe->lrs.size(), 12u);
+  for (size_t i = 0; i < 12; ++i) EXPECT_EQ(probe->lrs[i], ref_probe->lrs[i]) << "batch " << i;
+}
+
+TEST(Schedule, BadKeysNameTheFileLineAndKey) {
+  auto error_of = [](const std::string& schedule) {
+    const std::string text = "[optimizer]\nlr = 0.001\n[[stages]]\nname = \"a\"\n[stages.schedule]\n" + schedule;
+    try {
+      parse_config(text, "s.toml");
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string typo = error_of("name = \"cosin\"\n");
+  EXPECT_NE(typo.find("s.toml:6"), std::string::npos) << typo;
+  EXPECT_NE(typo.find("one_cycle"), std::string::npos) << typo;  // what is allowed
+  const std::string step = error_of("name = \"step\"\n");
+  EXPECT_NE(step.find("s.toml"), std::string::npos) << step;
+  EXPECT_NE(step.find("step_size"), std::string::npos) << step;
+  const std::string min_lr = error_of("name = \"cosine\"\nmin_lr = 0.01\n");
+  EXPECT_NE(min_lr.find("min_lr"), std::string::npos) << min_lr;
+  EXPECT_NE(min_lr.find("s.toml"), std::string::npos) << min_lr;
+  const std::string unknown = error_of("name = \"cosine\"\nwarmup = 3\n");
+  EXPECT_NE(unknown.find("warmup_steps"), std::string::npos) << unknown;  // the nearest key
+  const Config ok = parse_config("[[stages]]\nname = \"a\"\n[stages.schedule]\nname = \"one_cycle\"\n", "s.toml");
+  EXPECT_EQ(ok.stages[0].schedule.name, "one_cycle");
+}
+
+// ---- the metrics history ------------------------------------------------------------------
+
+TEST(MetricsHistory, WritesARowEveryLogEveryBatchesAndPerEpoch) {
+  TempDir dir;
+  auto l = make_tiny_learner(history_setup());
+  l->add_callback(std::make_shared<ScheduleCallback>());
+  l->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 2)));
+  Stage s = make_stage("train", 2);  // 8 batches
+  s.schedule = schedule_named("linear_warmup");
+  s.schedule.warmup_steps = 8;
+  l->fit(std::vector<Stage>{s});
+
+  const auto csv = lines_of(read_all(dir.file("run/metrics.csv")));
+  ASSERT_EQ(csv.size(), 1u + 4u + 2u) << read_all(dir.file("run/metrics.csv"));  // header, 4 step rows, 2 epoch rows
+  EXPECT_EQ(csv[0] + "\n", metrics_csv_header());
+  const auto header = csv_fields(csv[0]);
+  auto col = [&](const std::string& name) {
+    return static_cast<size_t>(std::find(header.begin(), header.end(), name) - header.begin());
+  };
+  const std::vector<std::string> kinds = {"step", "step", "epoch", "step", "step", "epoch"};
+  const std::vector<int64_t> iterations = {2, 4, 4, 6, 8, 8};
+  for (size_t r = 0; r < kinds.size(); ++r) {
+    const auto f = csv_fields(csv[r + 1]);
+    ASSERT_EQ(f.size(), header.size()) << csv[r + 1];
+    EXPECT_EQ(f[col("kind")], kinds[r]);
+    EXPECT_EQ(std::stoll(f[col("iteration")]), iterations[r]);
+    // The row's lr is the warm-up's at the row's last batch.
+    EXPECT_DOUBLE_EQ(std::stod(f[col("lr")]), 1e-2 * std::min<int64_t>(iterations[r], 8) / 8.0) << csv[r + 1];
+    EXPECT_GT(std::stod(f[col("loss")]), 0.0);
+    EXPECT_GT(std::stod(f[col("samples_per_second")]), 0.0);
+    EXPECT_GT(std::stod(f[col("step_seconds")]), 0.0);
+    EXPECT_GE(std::stoll(f[col("peak_bytes")]), std::stoll(f[col("live_bytes")]));
+    EXPECT_GT(std::stoll(f[col("live_bytes")]), 0);
+    EXPECT_EQ(f[col("valid_metric")].empty(), kinds[r] == "step") << csv[r + 1];
+  }
+  // The epoch row's loss is the epoch's mean, the same number the stage statistics keep.
+  EXPECT_NEAR(std::stod(csv_fields(csv[6])[col("loss")]), l->stage_stats()[0].last_epoch_loss, 1e-6);
+  EXPECT_NEAR(std::stod(csv_fields(csv[6])[col("valid_metric")]), l->valid_accuracy(), 1e-9);
+
+  const auto jsonl = lines_of(read_all(dir.file("run/metrics.jsonl")));
+  ASSERT_EQ(jsonl.size(), 6u);
+  for (size_t r = 0; r < jsonl.size(); ++r) {
+    const auto j = nlohmann::json::parse(jsonl[r]);
+    EXPECT_EQ(j["kind"], kinds[r]);
+    EXPECT_EQ(j["iteration"], iterations[r]);
+    EXPECT_EQ(j["stage"], "train");
+    EXPECT_EQ(j.contains("valid_metric"), kinds[r] == "epoch");
+    if (kinds[r] == "epoch") EXPECT_EQ(j["valid_metric_name"], "accuracy");
+  }
+}
+
+TEST(MetricsHistory, AResumedFitKeepsTheRowsBeforeItsPositionAndWritesTheRest) {
+  TempDir dir;
+  Stage s = make_stage("train", 2);
+  s.schedule = schedule_named("one_cycle");
+  const std::vector<Stage> stages{s};
+  {
+    auto ref = make_tiny_learner(history_setup());
+    ref->add_callback(std::make_shared<ScheduleCallback>());
+    ref->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("ref"), 1)));
+    ref->fit(stages);
+  }
+  {
+    auto first = make_tiny_learner(history_setup());
+    first->add_callback(std::make_shared<ScheduleCallback>());
+    first->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 1)));
+    first->add_callback(std::make_shared<HistSaveAndStop>(dir.file("ck"), 3));
+    first->fit(stages);
+  }
+  // What a killed run leaves after its checkpoint: more rows and half a line.
+  {
+    std::ofstream more(dir.file("run/metrics.csv"), std::ios::app);
+    more << "step,0,0,4,4,4,train,9,9,9,9,9,9,,\nstep,0,0,5";
+  }
+  auto second = make_tiny_learner(history_setup());
+  second->add_callback(std::make_shared<ScheduleCallback>());
+  second->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 1)));
+  second->load_checkpoint(dir.file("ck"));
+  second->fit(stages);
+
+  // Every column but the timings and memory equals the uninterrupted run's.
+  auto comparable = [](const std::string& path) {
+    std::vector<std::string> out;
+    for (const auto& line : lines_of(read_all(path))) {
+      auto f = csv_fields(line);
+      out.push_back(f[0] + "," + f[1] + "," + f[2] + "," + f[3] + "," + f[4] + "," + f[5] + "," +
+                    f[6] + "," + f[7] + "," + f[8] + "," + f[13] + "," + f[14]);
+    }
+    return out;
+  };
+  const auto want = comparable(dir.file("ref/metrics.csv")), got = comparable(dir.file("run/metrics.csv"));
+  ASSERT_EQ(want.size(), 1u + 8u + 2u);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(lines_of(read_all(dir.file("run/metrics.jsonl"))).size(), 10u);
+  // TensorBoard: the resumed file starts with SessionLog START at the resumed step.
+  int files = 0, starts = 0;
+  std::string names;
+  for (const auto& e : std::filesystem::directory_iterator(dir.file("run/tensorboard"))) {
+    ++files;
+    names += e.path().filename().string() + " ";
+    for (const auto& ev : read_event_file(e.path().string()))
+      if (ev.session_start) {
+        ++starts;
+        EXPECT_EQ(ev.step, 3);
+      }
+  }
+  EXPECT_EQ(files, 2) << names;
+  EXPECT_EQ(starts, 1);
+}
+
+// ---- TensorBoard --------------------------------------------------------------------------
+
+TEST(TensorBoard, Crc32cAndTheEventEncodingMatchTheirSpecifications) {
+  const std::string check = "123456789";
+  EXPECT_EQ(crc32c(check.data(), check.size()), 0xE3069283u);  // the CRC-32C check value
+  // Event{wall_time: 1.0, step: 3, summary{value{tag: "a", simple_value: 1.0}}}, by hand.
+  const std::string want("\x09\x00\x00\x00\x00\x00\x00\xf0\x3f"  // field 1, fixed64 1.0
+                         "\x10\x03"                              // field 2, varint 3
+                         "\x2a\x0a"                              // field 5, 10 bytes
+                         "\x0a\x08"                              //   value, 8 bytes
+                         "\x0a\x01" "a"                          //     tag "a"
+                         "\x15\x00\x00\x80\x3f",                 //     simple_value 1.0f
+                         23);
+  EXPECT_EQ(scalars_event(1.0, 3, {{"a", 1.0f}}), want);
+  const std::string rec = tf_record(want);
+  ASSERT_EQ(rec.size(), 8u + 4u + want.size() + 4u);
+  uint64_t len;
+  std::memcpy(&len, rec.data(), 8);
+  EXPECT_EQ(len, want.size());
+}
+
+TEST(TensorBoard, TheRunsEventFileReadsBackWithTheHistorysScalars) {
+  TempDir dir;
+  auto l = make_tiny_learner(history_setup());
+  l->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 2)));
+  l->fit(1);  // 4 batches: step rows at 2 and 4, an epoch row at 4
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir.file("run/tensorboard"))) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].filename().string().rfind("events.out.tfevents.", 0), 0u);
+  const auto events = read_event_file(files[0].string());
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[0].file_version, "brain.Event:2");
+  const auto csv = lines_of(read_all(dir.file("run/metrics.csv")));
+  for (size_t r = 1; r < 4; ++r) {
+    const auto f = csv_fields(csv[r]);
+    EXPECT_EQ(events[r].step, std::stoll(f[4]));
+    std::map<std::string, float> v(events[r].scalars.begin(), events[r].scalars.end());
+    const std::string prefix = f[0] == "epoch" ? "epoch/" : "train/";
+    EXPECT_FLOAT_EQ(v.at(prefix + "loss"), static_cast<float>(std::stod(f[7])));
+    EXPECT_FLOAT_EQ(v.at(prefix + "lr"), static_cast<float>(std::stod(f[8])));
+    EXPECT_NEAR(v.at("memory/live_MiB"), std::stod(f[11]) / 1048576.0, 1e-3);
+    EXPECT_EQ(v.count("valid/accuracy"), f[0] == "epoch" ? 1u : 0u);
+  }
+  // A flipped byte is caught by its CRC32C, naming the file and the record.
+  std::string bytes = read_all(files[0].string());
+  bytes[bytes.size() - 10] ^= 0x01;
+  const std::string bad = dir.file("bad.tfevents");
+  std::ofstream(bad, std::ios::binary) << bytes;
+  try {
+    read_event_file(bad);
+    ADD_FAILURE() << "a flipped byte was not noticed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CRC32C"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("record 3"), std::string::npos) << e.what();
+  }
+}
+
+// ---- a run from a config: the files in its folder, plots ----------------------------------
+
+TEST(MetricsHistory, ARunFromAConfigWritesItsHistoryTensorBoardAndPlots) {
+  TempDir dir;
+  const std::string out = dir.file("run");
+  const Config c = parse_config(
+      "[run]\nout_dir = \"" + out + "\"\nprogress = \"none\"\nthreads = 1\nlog_every = 2\n"
+      "[data]\ndataset = \"synthetic\"\nsamples = 64\nimage_size = 8\nclasses = 4\nbatch_size = 16\n"
+      "valid_samples = 32\n[model]\narch = \"mlp\"\nwidth = 16\ndepth = 1\n"
+      "[[stages]]\nname = \"a\"\nepochs = 2\n[stages.schedule]\nname = \"one_cycle\"\n",
+      "run.toml");
+  auto l = make_learner(c);
+  l->fit(c.stages);
+  EXPECT_EQ(lines_of(read_all(out + "/metrics.csv")).size(), 1u + 4u + 2u);
+  EXPECT_EQ(lines_of(read_all(out + "/metrics.jsonl")).size(), 6u);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(out + "/tensorboard"),
+                          std::filesystem::directory_iterator{}), 1);
+  ASSERT_TRUE(std::filesystem::exists(out + "/metrics.gp"));
+  if (std::system("command -v gnuplot > /dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot absent";
+  EXPECT_GT(std::filesystem::file_size(out + "/metrics.svg"), 1000u) << read_all(out + "/metrics.gp.log");
+  EXPECT_GT(std::filesystem::file_size(out + "/metrics.png"), 1000u) << read_all(out + "/metrics.gp.log");
+}
+
+// ---- lr_find ------------------------------------------------------------------------------
+
+TEST(LrFind, SweepsTheLrExponentiallyAndSuggestsOneOfIt) {
+  TempDir dir;
+  write_text(dir.file("f.toml"),
+             "[run]\nprogress = \"none\"\nthreads = 1\nout_dir = \"" + dir.file("run") + "\"\n"
+             "[data]\ndataset = \"synthetic\"\nsamples = 128\nimage_size = 8\nclasses = 4\n"
+             "batch_size = 16\nvalid_samples = -1\n[model]\narch = \"mlp\"\nwidth = 16\ndepth = 1\n");
+  const auto r = run_cli("lr_find " + dir.file("f.toml") + " --num-it 30 --start-lr 1e-5 --end-lr 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto csv = lines_of(read_text(dir.file("run/lr_find/lr_find.csv")));
+  ASSERT_GE(csv.size(), 2u) << r.output;
+  EXPECT_EQ(csv[0], "lr,loss");
+  ASSERT_LE(csv.size(), 31u);
+  for (size_t i = 1; i < csv.size(); ++i) {  // 30 batches: 8 an epoch, the sweep crosses epochs
+    const double want = 1e-5 * std::pow(1e5, static_cast<double>(i - 1) / 29.0);
+    EXPECT_NEAR(std::stod(csv_fields(csv[i])[0]) / want, 1.0, 1e-7) << csv[i];
+  }
+  const auto at = r.output.find("suggested lr (valley): ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const double suggested = std::stod(r.output.substr(at + 23));
+  EXPECT_GE(suggested, 1e-5 * 0.999);
+  EXPECT_LE(suggested, 1.0);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("run/metrics.csv")));  // a sweep is not a run
+}
+
+// ---- held by callbacks --------------------------------------------------------------------
+
+TEST(HeldByCallbacks, TheSteadyBreakdownHasAColumnForWhatCallbacksHold) {
+  BatchMemory b;
+  b.live_before_forward = 1000;
+  b.forward_peak = 1500;
+  const MemoryBreakdown m = steady_breakdown(b, 300, 200, 100, 150);
+  EXPECT_EQ(m.callbacks, 150);
+  EXPECT_EQ(m.other, 1000 - 300 - 200 - 100 - 150);  // no longer hidden in "other"
+
+  auto l = make_tiny_learner(history_setup());
+  auto holder = std::make_shared<Holder>();
+  l->add_callback(holder);
+  l->fit(1);
+  const MemoryBreakdown& s = l->stage_stats()[0].steady;
+  EXPECT_EQ(s.callbacks, holder->held_bytes());
+  EXPECT_EQ(s.callbacks, 16384);
+  const nlohmann::json j = s;
+  EXPECT_EQ(j["callbacks"], 16384);
+  EXPECT_EQ(j["total"], s.total());
+  const std::string md = report_markdown(nlohmann::json{{"fit", l->report()}});
+  const auto at = md.find("held by callbacks");
+  ASSERT_NE(at, std::string::npos) << md;
+  EXPECT_NE(md.find(format_bytes(16384), at), std::string::npos) << md;
+}
+
+}  // namespace frugal::test
