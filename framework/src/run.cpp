@@ -76,6 +76,19 @@ void check_synthetic_size(const Config& c) {
                     "; lower data.samples or data.image_size");
 }
 
+// image_folder and csv: the model's input is what the files hold (the class folders; the CSV's
+// feature columns and labels), not the synthetic-data keys: read without decoding the data.
+void files_input(const DataOptions& d, int64_t& channels, int64_t& size, int64_t& classes) {
+  if (d.dataset == "image_folder") {
+    classes = static_cast<int64_t>(list_image_folder(d.path).classes.size());
+  } else if (d.dataset == "csv") {
+    const CsvShape s = csv_shape(d.path, CsvSpec{d.label_column, d.task == "regression"});
+    channels = s.features;
+    size = 1;
+    classes = s.classes;
+  }
+}
+
 ModelInput model_input(const Config& c, const Dataset* data) {
   ModelInput in;
   in.seed = static_cast<uint64_t>(c.run.seed);
@@ -85,8 +98,9 @@ ModelInput model_input(const Config& c, const Dataset* data) {
     return in;
   }
   in.channels = data ? data->channels() : c.data.channels;
-  const int64_t native = data ? data->height() : c.data.image_size;
+  int64_t native = data ? data->height() : c.data.image_size;
   in.num_classes = data ? data->num_classes : c.data.classes;
+  if (!data) files_input(c.data, in.channels, native, in.num_classes);
   std::set<int64_t> sizes;
   for (const auto& s : c.stages) sizes.insert(s.image_size ? s.image_size : native);
   in.image_sizes.assign(sizes.begin(), sizes.end());
