@@ -145,6 +145,28 @@ TEST(ImageFolder, ErrorsNameTheFileAndWhatIsWrong) {
   EXPECT_NE(msg.find(dir.file("nowhere") + "': no such folder"), std::string::npos) << msg;
 }
 
+TEST(ImageFolder, TrainsThroughTheConfigAndPreflightCountsItsBytes) {
+  TempDir dir;
+  write_folder(dir.file("train"));
+  write_solid(dir.file("valid/zebra/v.png"), 5, 5, {100, 100, 100}, false);
+  write_solid(dir.file("valid/ant/w.jpeg"), 9, 7, {10, 10, 200}, true);
+  const Config c = parse_config(
+      "[run]\nthreads = 1\nout_dir = \"" + dir.file("run") + "\"\n[data]\ndataset = \"image_folder\"\n"
+          "path = \"" + dir.file("train") + "\"\nvalid_path = \"" + dir.file("valid") +
+          "\"\nchannels = 3\nimage_size = 8\nbatch_size = 2\nflip = true\ncrop_padding = 1\n"
+          "[model]\narch = \"mlp\"\nwidth = 8\n[[stages]]\nepochs = 1\n",
+      "images.toml");
+  auto l = make_learner(c);
+  l->fit(c.stages);
+  EXPECT_EQ(l->valid_sums().count, 2);
+  // 6 images of 3 x 8 x 8 bytes and an int64 label each.
+  EXPECT_EQ(l->data_bytes(), 6 * (3 * 8 * 8 + 8));
+  EXPECT_EQ(estimated_data_bytes(c), l->data_bytes());
+  // The model a run folder is reloaded into (`frugal evaluate`) has one output per class folder.
+  torch::nn::Sequential m = make_config_model(c);
+  EXPECT_EQ(m->parameters().back().size(0), 3);
+}
+
 // ---- csv -----------------------------------------------------------------------------------
 
 TEST(Csv, ClassificationStandardizesWithTheTrainingStatistics) {
