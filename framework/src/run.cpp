@@ -110,6 +110,23 @@ ModelInput model_input(const Config& c, const Dataset* data) {
 
 }  // namespace
 
+namespace {
+// image_folder and csv: the training files are listed (parsed, for a CSV) and the model built
+// for what they hold, and the validation path must exist: a missing folder, a bad row or a model
+// that cannot take the data stops here, before any work.
+void check_own_data(const Config& c) {
+  try {
+    torch::NoGradGuard g;
+    named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
+  } catch (const DataError& e) {
+    throw ConfigError(c.source + ": data.path: " + e.what());
+  }
+  std::error_code ec;
+  if (c.data.valid_samples >= 0 && !std::filesystem::exists(c.data.valid_path, ec))
+    throw ConfigError(c.source + ": data.valid_path: '" + c.data.valid_path + "' does not exist");
+}
+}  // namespace
+
 torch::nn::Sequential make_config_model(const Config& c) {
   return named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
 }
@@ -151,6 +168,7 @@ void check_config(const Config& c) {
       throw ConfigError(c.source + ": data.path: " + e.what());
     }
   }
+  if (c.data.dataset == "image_folder" || c.data.dataset == "csv") check_own_data(c);
   if (c.data.dataset == "synthetic" || c.data.dataset == "text") {
     // Cheap to build the model for the configured shape: catches e.g. a vit patch that does
     // not divide the image size before any data is loaded.

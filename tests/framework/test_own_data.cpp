@@ -319,6 +319,19 @@ TEST(Regression, TheLossMustMatchTheTask) {
   EXPECT_NE(msg.find("'data.valid_path' is empty"), std::string::npos) << msg;
 }
 
+TEST(Csv, CheckConfigReadsTheFilesBeforeAnyWork) {
+  TempDir dir;
+  const Config missing = parse_config(regression_toml(dir), "r.toml");
+  std::string msg = config_error([&] { check_config(missing); });
+  EXPECT_NE(msg.find("r.toml: data.path: cannot read '" + dir.file("train.csv") + "'"), std::string::npos) << msg;
+  write_linear_csv(dir.file("train.csv"), 8, 0);
+  msg = config_error([&] { check_config(missing); });
+  EXPECT_NE(msg.find("r.toml: data.valid_path: '" + dir.file("valid.csv") + "' does not exist"), std::string::npos) << msg;
+  write_text(dir.file("train.csv"), "a,b,y\n1,2,3\n1,x,3\n");
+  msg = config_error([&] { check_config(missing); });
+  EXPECT_NE(msg.find(dir.file("train.csv") + "':3: column 2 ('b')"), std::string::npos) << msg;
+}
+
 TEST(Csv, ClassificationTrainsThroughTheConfig) {
   TempDir dir;
   // Class = which of a, b is larger: separable.
