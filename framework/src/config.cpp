@@ -108,15 +108,6 @@ void DataOptions::visit(FieldVisitor& v) {
   v.field("path", path,
           "the dataset's files: fashion-mnist's IDX folder, image_folder's training folder (one "
           "sub-folder per class), csv's training file");
-  v.field("valid_path", valid_path,
-          "image_folder: the validation folder; csv: the validation file");
-  v.field("label_column", label_column, "csv: the label column's header name; \"\" = the last column");
-  v.field("task", task, "csv: what the label is: class labels or regression targets",
-          {"classification", "regression"});
-  v.field("flip", flip, "images: mirror training images left-right with probability 1/2 (seeded)");
-  v.field("crop_padding", crop_padding,
-          "images: pad training images by N pixels and crop back at a random offset (seeded); 0 = off",
-          at_least(0));
   v.field("batch_size", batch_size, "training batch size", at_least(1));
   v.field("valid_batch_size", valid_batch_size, "validation batch size", at_least(1));
   v.field("train_samples", train_samples, "use the first N training samples; 0 = all",
@@ -138,6 +129,15 @@ void DataOptions::visit(FieldVisitor& v) {
   v.field("block_size", block_size, "text data: tokens (bytes) per window", at_least(2));
   v.field("windows_per_epoch", windows_per_epoch,
           "text data: random training windows per epoch; 0 = training bytes / block_size",
+          at_least(0));
+  v.field("valid_path", valid_path,
+          "image_folder: the validation folder; csv: the validation file");
+  v.field("label_column", label_column, "csv: the label column's header name; \"\" = the last column");
+  v.field("task", task, "csv: what the label is: class labels or regression targets",
+          {"classification", "regression"});
+  v.field("flip", flip, "images: mirror training images left-right with probability 1/2 (seeded)");
+  v.field("crop_padding", crop_padding,
+          "images: pad training images by N pixels and crop back at a random offset (seeded); 0 = off",
           at_least(0));
 }
 
