@@ -10,6 +10,12 @@ find_package(ZLIB REQUIRED)
 find_package(Threads REQUIRED)
 # Boost.DLL is header-only; with BOOST_DLL_USE_STD_FS no Boost library is linked.
 find_package(Boost 1.70 REQUIRED)
+# image_folder decodes PNG/JPEG with stb_image and resizes with stb_image_resize: header-only,
+# from Debian's libstb-dev (compiled into libfrugal, static, in data_image_folder.cpp).
+find_path(FRUGAL_STB_INCLUDE_DIR stb/stb_image.h stb/stb_image_resize.h)
+if(NOT FRUGAL_STB_INCLUDE_DIR)
+  message(FATAL_ERROR "stb_image.h not found: install Debian's libstb-dev (third_party/install-deps.sh)")
+endif()
 if(FRUGAL_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

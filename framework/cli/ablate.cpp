@@ -49,7 +49,8 @@ struct Row {
   double median = 0, p10 = 0, p90 = 0, samples_per_second = 0, final_loss = 0;
   double accuracy = -1;  ///< -1: not validated
   double valid_loss = -1;  ///< nats per target element (sample or token); -1: not validated
-  bool lm = false;         ///< a language model: its metric is the validation loss
+  bool lm = false;         ///< a language model or a regression: its metric is the validation loss
+  std::string task = "classification";  ///< the report's fit.task
   // relative to the baseline (when both worked)
   bool relative = false;
   double saved_percent = 0, slowdown = 0, accuracy_change = 0, loss_change = 0;
@@ -135,7 +136,8 @@ void summarize(Row& row, const std::vector<ChildResult>& reps) {
     row.final_loss = get_d(fit, "final_loss");
     row.accuracy = get_d(fit, "valid_accuracy", -1);
     row.valid_loss = get_d(fit, "valid_loss", -1);
-    row.lm = fit.value("task", std::string()) == "language_model";
+    row.task = fit.value("task", std::string("classification"));
+    row.lm = row.task == "language_model" || row.task == "regression";
   }
   if (row.ok) {
     row.error.clear();
@@ -200,7 +202,7 @@ json row_json(const Row& r) {
   j["final_loss"] = r.final_loss;
   if (r.accuracy >= 0) j["valid_accuracy"] = r.accuracy;
   if (r.valid_loss >= 0) j["valid_loss"] = r.valid_loss;
-  j["task"] = r.lm ? "language_model" : "classification";
+  j["task"] = r.task;
   if (r.relative) {
     j["memory_saved_percent"] = r.saved_percent;
     j["slowdown"] = r.slowdown;
@@ -337,11 +339,15 @@ void report_header(std::ostream& md, const json& meta) {
 
 /// One row per run, by peak live memory (failed runs last), with the Pareto marks.
 void runs_table(std::ostream& md, const std::vector<const Row*>& order) {
-  // A language model's metric is its validation loss (nats/token); a classifier's, accuracy.
+  // A language model's metric is its validation loss (nats/token), a regression's its MSE; a
+  // classifier's, accuracy.
   const bool lm = std::any_of(order.begin(), order.end(), [](const Row* r) { return r->lm; });
+  const bool regression =
+      std::any_of(order.begin(), order.end(), [](const Row* r) { return r->task == "regression"; });
   md << "| run | techniques | peak live | saved | steady activations | step median (p10-p90) | "
         "samples/s | slowdown | final loss | "
-     << (lm ? "valid loss, nats/token (change)" : "valid accuracy (change)") << " | Pareto |\n";
+     << (regression ? "valid MSE (change)" : lm ? "valid loss, nats/token (change)" : "valid accuracy (change)")
+     << " | Pareto |\n";
   md << "|---|---|---:|---:|---:|---|---:|---:|---:|---|:---:|\n";
   for (const Row* r : order) {
     md << "| " << r->run.name << " | " << join_on(r->run.on, ", ") << " | ";

@@ -84,8 +84,10 @@ int run_evaluate(const EvaluateArgs& a) {
             << j["valid_metric"]["text"].get<std::string>() << "\n";
   if (task.kind == TaskKind::Classification)
     std::cout << "  valid_loss: " << sums.mean_loss() << " nats/sample\n";
-  else
+  else if (task.kind == TaskKind::LanguageModel)
     std::cout << "  next-byte accuracy: " << 100.0 * sums.accuracy() << "%\n";
+  else
+    std::cout << "  valid_loss (MSE): " << sums.mean_loss() << "\n";
   std::cout << std::flush;
   return 0;
 }

@@ -143,8 +143,11 @@ void RunOptions::check() const {
 }
 
 void DataOptions::visit(FieldVisitor& v) {
-  v.field("dataset", dataset, "dataset: fashion-mnist, synthetic, text or one a plugin registers");
-  v.field("path", path, "directory holding the dataset's files (fashion-mnist: the IDX files)");
+  v.field("dataset", dataset,
+          "dataset: fashion-mnist, synthetic, text, image_folder, csv or one a plugin registers");
+  v.field("path", path,
+          "the dataset's files: fashion-mnist's IDX folder, image_folder's training folder (one "
+          "sub-folder per class), csv's training file");
   v.field("batch_size", batch_size, "training batch size", at_least(1));
   v.field("valid_batch_size", valid_batch_size, "validation batch size", at_least(1));
   v.field("train_samples", train_samples, "use the first N training samples; 0 = all",
@@ -152,8 +155,11 @@ void DataOptions::visit(FieldVisitor& v) {
   v.field("valid_samples", valid_samples,
           "use the first N validation samples; 0 = all, -1 = no validation", at_least(-1));
   v.field("shuffle", shuffle, "shuffle the training samples every epoch");
-  v.field("channels", channels, "synthetic data: image channels", at_least(1));
-  v.field("image_size", image_size, "synthetic data: image height and width in pixels",
+  v.field("channels", channels, "synthetic data and image_folder: image channels (image_folder: 1 or 3)",
+          at_least(1));
+  v.field("image_size", image_size,
+          "synthetic data and image_folder: image height and width in pixels (image_folder "
+          "resizes to it)",
           at_least(1));
   v.field("classes", classes, "synthetic data: number of classes", at_least(2));
   v.field("samples", samples, "synthetic data: number of training samples", at_least(1));
@@ -164,6 +170,31 @@ void DataOptions::visit(FieldVisitor& v) {
   v.field("windows_per_epoch", windows_per_epoch,
           "text data: random training windows per epoch; 0 = training bytes / block_size",
           at_least(0));
+  v.field("valid_path", valid_path,
+          "image_folder: the validation folder; csv: the validation file");
+  v.field("label_column", label_column, "csv: the label column's header name; \"\" = the last column");
+  v.field("task", task, "csv: what the label is: class labels or regression targets",
+          {"classification", "regression"});
+  v.field("flip", flip, "images: mirror training images left-right with probability 1/2 (seeded)");
+  v.field("crop_padding", crop_padding,
+          "images: pad training images by N pixels and crop back at a random offset (seeded); 0 = off",
+          at_least(0));
+}
+
+void DataOptions::check() const {
+  if (task == "regression" && dataset != "csv")
+    throw_config_error("'data.task' = \"regression\" needs 'data.dataset' = \"csv\" (a float "
+                       "label column); dataset \"" + dataset + "\" has class labels");
+  if (dataset == "image_folder" && channels != 1 && channels != 3)
+    throw_config_error("'data.channels' = " + std::to_string(channels) +
+                       ": image_folder reads images as 1 (grey) or 3 (RGB) channels");
+  if ((dataset == "image_folder" || dataset == "csv") && valid_path.empty() && valid_samples >= 0)
+    throw_config_error("'data.valid_path' is empty: name the " +
+                       std::string(dataset == "csv" ? "validation CSV file" : "validation folder") +
+                       " of the " + dataset + " dataset, or set 'data.valid_samples' = -1 (no validation)");
+  if ((dataset == "csv" || dataset == "text") && (flip || crop_padding > 0))
+    throw_config_error("'data.flip' and 'data.crop_padding' augment images; dataset \"" + dataset +
+                       "\" has none");
 }
 
 void ModelOptions::visit(FieldVisitor& v) {
@@ -469,6 +500,21 @@ std::string read_text(const std::string& path) {
 
 }  // namespace
 
+namespace {
+/// A regression trains with mse, classes with cross_entropy: the built-in loss that cannot take
+/// the data's labels is refused before any work (a plugin's loss is its own business).
+void check_task_loss(const Config& c) {
+  const bool regression = c.data.dataset == "csv" && c.data.task == "regression";
+  if (regression && c.loss.name == "cross_entropy")
+    throw ConfigError(c.source + ": 'loss.name' = \"cross_entropy\" cannot train 'data.task' = "
+                      "\"regression\" (float targets); set [loss] name = \"mse\"");
+  if (!regression && c.loss.name == "mse")
+    throw ConfigError(c.source + ": 'loss.name' = \"mse\" needs float targets: 'data.dataset' = "
+                      "\"csv\" with 'data.task' = \"regression\"; class labels train with "
+                      "\"cross_entropy\"");
+}
+}  // namespace
+
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides) {
   toml::table root = parse_root(text, source, overrides);
@@ -484,6 +530,7 @@ Config parse_config(const std::string& text, const std::string& source,
   read_section(root, "optimizer", c.optimizer, source);
   read_section(root, "loss", c.loss, source);
   read_stages(root, c);
+  check_task_loss(c);
   read_section(root, "distributed", c.distributed, source);
   c.plugins = take_plugins(root, source);
   read_ablation(root, c);

@@ -82,7 +82,8 @@ Dataset Dataset::head(int64_t n) const {
     return d;
   }
   // clone() so the rest of the full dataset can be freed.
-  d.images = images.narrow(0, 0, n).clone();
+  if (images.defined()) d.images = images.narrow(0, 0, n).clone();
+  if (features.defined()) d.features = features.narrow(0, 0, n).clone();
   d.labels = labels.narrow(0, 0, n).clone();
   return d;
 }
@@ -301,12 +302,35 @@ DataLoader::DataLoader(Dataset data, int64_t batch_size, bool shuffle, uint64_t 
   set_epoch(0);
 }
 
+namespace {
+/// One epoch's flip bits and crop offsets, position by position (see DataLoader).
+template <class Draw>
+std::vector<Draw> draw_augment(const Augment& a, int64_t n, uint64_t seed) {
+  std::vector<Draw> out(static_cast<size_t>(n));
+  std::mt19937_64 rng(seed);
+  const auto span = static_cast<uint64_t>(2 * a.crop_padding);
+  for (auto& d : out) {
+    // The flip bit is drawn whether or not it is used: turning flips on or off leaves the
+    // crops of every position as they were.
+    const bool coin = (rng() >> 63) != 0;
+    d.flip = a.flip && coin;
+    d.dy = static_cast<int32_t>(a.crop_padding > 0 ? uniform_upto(rng, span) : 0);
+    d.dx = static_cast<int32_t>(a.crop_padding > 0 ? uniform_upto(rng, span) : 0);
+  }
+  return out;
+}
+}  // namespace
+
 void DataLoader::set_epoch(int64_t epoch) {
   const int64_t n = data_.size();
   if (data_.is_text()) {
     order_ = text_window_starts(data_, shuffle_, seed_ + static_cast<uint64_t>(epoch));
     return;
   }
+  augment_.clear();
+  if (data_.augment.active() && data_.images.defined())
+    augment_ = draw_augment<AugmentDraw>(data_.augment, n,
+                                         seed_ + static_cast<uint64_t>(epoch) + kAugmentStream);
   order_.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) order_[i] = i;
   if (!shuffle_) return;
@@ -400,9 +424,12 @@ Batch DataLoader::batch(int64_t i) const {
 
 Batch DataLoader::batch_rows(int64_t start, int64_t count) const {
   if (data_.is_text()) return text_batch(start, count);
+  if (data_.is_tabular()) return tabular_batch(start, count);
   if (Batch b; gather_on_cpu(data_, shuffle_ ? order_.data() + start : nullptr, start, count,
-                              device_, image_size_, b))
+                              device_, image_size_, b)) {
+    augment_batch(b.x, start);
     return b;
+  }
   torch::Tensor images, labels;
   if (shuffle_) {
     auto idx = torch::from_blob(const_cast<int64_t*>(order_.data()) + start, {count}, torch::kLong);
@@ -415,15 +442,62 @@ Batch DataLoader::batch_rows(int64_t start, int64_t count) const {
   // Move the compact uint8 images, then convert on the device.
   Batch b;
   b.x = prepare_images(images.to(device_), data_.mean, data_.std, image_size_);
+  augment_batch(b.x, start);
   // A batch never aliases the dataset (a callback may edit it in place): index_select
   // already copied; a narrow view is copied here.
   b.y = shuffle_ ? labels.to(device_) : labels.to(device_, /*non_blocking=*/false, /*copy=*/true);
   return b;
 }
 
+Batch DataLoader::tabular_batch(int64_t start, int64_t count) const {
+  Batch b;
+  if (shuffle_) {
+    auto idx = torch::from_blob(const_cast<int64_t*>(order_.data()) + start, {count}, torch::kLong);
+    b.x = data_.features.index_select(0, idx).to(device_);
+    b.y = data_.labels.index_select(0, idx).to(device_);
+  } else {  // copies: a batch never aliases the dataset
+    b.x = data_.features.narrow(0, start, count).to(device_, false, /*copy=*/true);
+    b.y = data_.labels.narrow(0, start, count).to(device_, false, /*copy=*/true);
+  }
+  return b;
+}
+
+void DataLoader::augment_batch(torch::Tensor& x, int64_t start) const {
+  if (augment_.empty()) return;
+  const auto n = static_cast<size_t>(x.size(0));
+  std::vector<bool> flip(n);
+  std::vector<int32_t> dy(n), dx(n);
+  for (size_t i = 0; i < n; ++i) {
+    const AugmentDraw& d = augment_[static_cast<size_t>(start) + i];
+    flip[i] = d.flip;
+    dy[i] = d.dy;
+    dx[i] = d.dx;
+  }
+  // A padded pixel is a black one (0) after normalization.
+  augment_images(x, flip, dy, dx, data_.augment.crop_padding, -data_.mean / data_.std);
+}
+
+void augment_images(torch::Tensor& x, const std::vector<bool>& flip, const std::vector<int32_t>& dy,
+                    const std::vector<int32_t>& dx, int64_t padding, double pad_value) {
+  torch::NoGradGuard no_grad;
+  const int64_t h = x.size(2), w = x.size(3);
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    const auto k = static_cast<size_t>(i);
+    torch::Tensor img = x[i];
+    if (flip[k]) img.copy_(img.flip({2}));
+    if (padding <= 0 || (dy[k] == padding && dx[k] == padding)) continue;
+    const torch::Tensor padded =
+        F::pad(img.unsqueeze(0), F::PadFuncOptions({padding, padding, padding, padding})
+                                     .mode(torch::kConstant)
+                                     .value(pad_value));
+    img.copy_(padded[0].narrow(1, dy[k], h).narrow(2, dx[k], w));
+  }
+}
+
 void DataLoader::clear() {
   data_ = Dataset{};
   std::vector<int64_t>().swap(order_);
+  std::vector<AugmentDraw>().swap(augment_);
 }
 
 torch::Tensor prepare_images(const torch::Tensor& images_u8, double mean, double std,

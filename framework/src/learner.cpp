@@ -19,6 +19,7 @@ int64_t dataset_bytes(const Dataset& d) {
   if (d.images.defined()) n += static_cast<int64_t>(d.images.nbytes());
   if (d.labels.defined()) n += static_cast<int64_t>(d.labels.nbytes());
   if (d.tokens.defined()) n += static_cast<int64_t>(d.tokens.nbytes());
+  if (d.features.defined()) n += static_cast<int64_t>(d.features.nbytes());
   return n;
 }
 

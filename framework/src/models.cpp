@@ -255,10 +255,27 @@ nn::Sequential make_vit(const ModelOptions& o, const ModelInput& in) {
 LossFn cross_entropy(const LossOptions& o) {
   const double smoothing = o.label_smoothing;
   return [smoothing](const torch::Tensor& pred, const torch::Tensor& target) {
+    if (target.is_floating_point())
+      throw_config_error("loss 'cross_entropy' takes class labels, but the targets are floats (a "
+                         "regression): set [loss] name = \"mse\"");
     // Logits [..., C] with targets [...]: one prediction per token of a sequence too.
     const auto opts = F::CrossEntropyFuncOptions().label_smoothing(smoothing);
     if (pred.dim() <= 2) return F::cross_entropy(pred, target, opts);
     return F::cross_entropy(pred.reshape({-1, pred.size(-1)}), target.reshape({-1}), opts);
+  };
+}
+
+/// Mean squared error of a regression: one output per target ([B, 1] or [B] for [B]).
+LossFn mse(const LossOptions&) {
+  return [](const torch::Tensor& pred, const torch::Tensor& target) {
+    if (!target.is_floating_point())
+      throw_config_error("loss 'mse' takes float targets (data.task = \"regression\"), but the "
+                         "targets are class labels: set [loss] name = \"cross_entropy\"");
+    if (pred.numel() != target.numel())
+      throw_config_error("loss 'mse': the model predicts " + str(pred.numel()) + " values for " +
+                         str(target.numel()) + " targets; a regression model has one output");
+    // In the target's dtype: under autocast the prediction may be bfloat16.
+    return F::mse_loss(pred.reshape(target.sizes()).to(target.scalar_type()), target);
   };
 }
 
@@ -273,6 +290,25 @@ Dataset synthetic(const DataOptions& o, bool train) {
 
 Dataset text(const DataOptions& o, bool train) {
   return load_text(o.paths, o.block_size, o.windows_per_epoch, train);
+}
+
+/// The validation split's path; the run may have trained without one (`frugal evaluate`).
+const std::string& valid_path(const DataOptions& o) {
+  if (o.valid_path.empty())
+    throw_data_error("data.valid_path is empty: the " + o.dataset + " dataset's validation " +
+                     (o.dataset == "csv" ? "file" : "folder") + " is not named");
+  return o.valid_path;
+}
+
+Dataset image_folder(const DataOptions& o, bool train) {
+  if (train) return load_image_folder(o.path, o.channels, o.image_size);
+  // The training folder's classes, so label i means the same class in both splits.
+  return load_image_folder(valid_path(o), o.channels, o.image_size, list_image_folder(o.path).classes);
+}
+
+Dataset csv(const DataOptions& o, bool train) {
+  const CsvSpec spec{o.label_column, o.task == "regression"};
+  return load_csv(train ? o.path : valid_path(o), spec, o.path);
 }
 
 }  // namespace
@@ -297,6 +333,7 @@ Registry<LossFactory>& losses() {
   static Registry<LossFactory> r("loss");
   static const bool builtins = [] {
     r.add("cross_entropy", cross_entropy, "cross entropy with optional label smoothing");
+    r.add("mse", mse, "mean squared error of a regression (data.task = \"regression\")");
     return true;
   }();
   (void)builtins;
@@ -309,6 +346,12 @@ Registry<DatasetFactory>& datasets() {
     r.add("fashion-mnist", fashion_mnist, "Fashion-MNIST from data.path (dataset-fashion-mnist)");
     r.add("synthetic", synthetic, "random images with learnable labels of any shape");
     r.add("text", text, "byte-level tokens of text files (data.paths) in windows of block_size");
+    r.add("image_folder", image_folder,
+          "PNG/JPEG images, one sub-folder per class (data.path, data.valid_path), resized to "
+          "data.image_size and cached in memory as uint8");
+    r.add("csv", csv,
+          "numeric features and a label column (data.path, data.valid_path); classification or "
+          "regression (data.task)");
     return true;
   }();
   (void)builtins;
@@ -323,7 +366,11 @@ LossFn make_loss(const LossOptions& o) { return losses().get(o.name).make(o); }
 
 Dataset make_dataset(const DataOptions& o, bool train) {
   Dataset d = datasets().get(o.dataset).make(o, train);
-  if (train) return d.head(o.train_samples);
+  if (train) {
+    d.augment.flip = o.flip;
+    d.augment.crop_padding = o.crop_padding;
+    return d.head(o.train_samples);
+  }
   return o.valid_samples > 0 ? d.head(o.valid_samples) : d;
 }
 

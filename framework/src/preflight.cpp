@@ -56,6 +56,37 @@ int64_t text_bytes(const DataOptions& d) {
   return kept(n_train, d.train_samples) + (d.valid_samples < 0 ? 0 : kept(n_valid, d.valid_samples));
 }
 
+// image_folder's cache: every listed image as uint8 channels x image_size^2, and its label.
+int64_t image_folder_bytes(const DataOptions& d, const std::string& source) {
+  const int64_t pixels = d.channels * d.image_size * d.image_size;
+  try {
+    const ImageFolderListing train = list_image_folder(d.path);
+    const auto n = [](const ImageFolderListing& l) { return static_cast<int64_t>(l.files.size()); };
+    int64_t bytes = image_bytes(n(train), d.train_samples, pixels);
+    if (d.valid_samples >= 0)
+      bytes += image_bytes(n(list_image_folder(d.valid_path, train.classes)), d.valid_samples, pixels);
+    return bytes;
+  } catch (const DataError& e) {
+    throw ConfigError(source + ": data.path: " + e.what());
+  }
+}
+
+// A CSV's rows as float features and an int64 class or a float target each.
+int64_t csv_bytes(const DataOptions& d, const std::string& source) {
+  const CsvSpec spec{d.label_column, d.task == "regression"};
+  const int64_t label = spec.regression ? 4 : 8;
+  const auto split = [&](const std::string& path, int64_t keep) {
+    const CsvShape s = csv_shape(path, spec);
+    const int64_t kept = keep > 0 ? std::min(keep, s.rows) : s.rows;
+    return kept * (s.features * 4 + label);
+  };
+  try {
+    return split(d.path, d.train_samples) + (d.valid_samples < 0 ? 0 : split(d.valid_path, d.valid_samples));
+  } catch (const DataError& e) {
+    throw ConfigError(source + ": data.path: " + e.what());
+  }
+}
+
 // The config the model is built for: Fashion-MNIST's images are 1x28x28 in 10 classes, whatever
 // the keys for synthetic data say.
 Config model_config(const Config& c) {
@@ -92,6 +123,8 @@ int64_t estimated_data_bytes(const Config& c) {
            (d.valid_samples < 0 ? 0 : image_bytes(std::max<int64_t>(d.samples / 4, 1), d.valid_samples, pixels));
   }
   if (d.dataset == "text") return text_bytes(d);
+  if (d.dataset == "image_folder") return image_folder_bytes(d, c.source);
+  if (d.dataset == "csv") return csv_bytes(d, c.source);
   return 0;
 }
 

@@ -55,7 +55,9 @@ std::string ProgressCallback::line(Learner& l, bool final) const {
     os << std::setprecision(1) << ' ' << secs << " s";
     if (l.valid_data() && l.valid_sums().count > 0) {
       const TaskMetric m = l.valid_metric();
-      os << " valid " << (m.name == "accuracy" ? "accuracy " : "loss ") << m.text;
+      // A regression's text names its metric ("RMSE 0.12 (MSE 0.015)").
+      os << " valid " << (m.name == "accuracy" ? "accuracy " : m.name == "valid_loss" ? "loss " : "")
+         << m.text;
     }
   }
   return os.str();

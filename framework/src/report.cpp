@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -179,12 +180,14 @@ int64_t get_i(const nlohmann::json& j, const char* k) { return j.contains(k) ? j
 
 /// One row per stage: its peaks, step times, loss and the task's validation metric.
 void stage_table(std::ostream& md, const nlohmann::json& fit, bool lm) {
+  const bool regression = fit.value("task", "") == "regression";
   md << "| stage | peak live | forward peak | backward peak | step peak | step time median (p10-p90) | samples/s | loss | "
-     << (lm ? "valid loss (nats/token)" : "valid accuracy") << " |\n";
+     << (regression ? "valid RMSE" : lm ? "valid loss (nats/token)" : "valid accuracy") << " |\n";
   md << "|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& s : fit["stages"]) {
     std::string valid = "-";
     if (lm && s.contains("valid_loss")) valid = num(s["valid_loss"].get<double>(), 4);
+    if (regression && s.contains("valid_loss")) valid = num(std::sqrt(s["valid_loss"].get<double>()), 4);
     if (!lm && s.contains("valid_accuracy")) valid = pct(s["valid_accuracy"].get<double>());
     const auto& p = s["phase_peaks"];
     const auto& t = s["step_seconds"];
@@ -274,7 +277,8 @@ std::string report_markdown(const nlohmann::json& r) {
      << num(fit["train_seconds"].get<double>(), 1) << " s of training; final loss "
      << num(fit["final_loss"].get<double>(), 4);
   if (fit.contains("valid_metric"))
-    md << "; validation " << (lm ? "loss " : "accuracy ") << fit["valid_metric"].value("text", "");
+    md << "; validation " << (fit.value("task", "") == "regression" ? "" : lm ? "loss " : "accuracy ")
+       << fit["valid_metric"].value("text", "");
   else if (fit.contains("valid_accuracy"))
     md << "; validation accuracy " << pct(fit["valid_accuracy"].get<double>());
   md << ".\n";

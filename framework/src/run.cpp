@@ -80,6 +80,19 @@ void check_synthetic_size(const Config& c) {
                     "; lower data.samples or data.image_size");
 }
 
+// image_folder and csv: the model's input is what the files hold (the class folders; the CSV's
+// feature columns and labels), not the synthetic-data keys: read without decoding the data.
+void files_input(const DataOptions& d, int64_t& channels, int64_t& size, int64_t& classes) {
+  if (d.dataset == "image_folder") {
+    classes = static_cast<int64_t>(list_image_folder(d.path).classes.size());
+  } else if (d.dataset == "csv") {
+    const CsvShape s = csv_shape(d.path, CsvSpec{d.label_column, d.task == "regression"});
+    channels = s.features;
+    size = 1;
+    classes = s.classes;
+  }
+}
+
 ModelInput model_input(const Config& c, const Dataset* data) {
   ModelInput in;
   in.seed = static_cast<uint64_t>(c.run.seed);
@@ -89,8 +102,9 @@ ModelInput model_input(const Config& c, const Dataset* data) {
     return in;
   }
   in.channels = data ? data->channels() : c.data.channels;
-  const int64_t native = data ? data->height() : c.data.image_size;
+  int64_t native = data ? data->height() : c.data.image_size;
   in.num_classes = data ? data->num_classes : c.data.classes;
+  if (!data) files_input(c.data, in.channels, native, in.num_classes);
   std::set<int64_t> sizes;
   for (const auto& s : c.stages) sizes.insert(s.image_size ? s.image_size : native);
   in.image_sizes.assign(sizes.begin(), sizes.end());
@@ -98,6 +112,23 @@ ModelInput model_input(const Config& c, const Dataset* data) {
   return in;
 }
 
+}  // namespace
+
+namespace {
+// image_folder and csv: the training files are listed (parsed, for a CSV) and the model built
+// for what they hold, and the validation path must exist: a missing folder, a bad row or a model
+// that cannot take the data stops here, before any work.
+void check_own_data(const Config& c) {
+  try {
+    torch::NoGradGuard g;
+    named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
+  } catch (const DataError& e) {
+    throw ConfigError(c.source + ": data.path: " + e.what());
+  }
+  std::error_code ec;
+  if (c.data.valid_samples >= 0 && !std::filesystem::exists(c.data.valid_path, ec))
+    throw ConfigError(c.source + ": data.valid_path: '" + c.data.valid_path + "' does not exist");
+}
 }  // namespace
 
 torch::nn::Sequential make_config_model(const Config& c) {
@@ -141,6 +172,7 @@ void check_config(const Config& c) {
       throw ConfigError(c.source + ": data.path: " + e.what());
     }
   }
+  if (c.data.dataset == "image_folder" || c.data.dataset == "csv") check_own_data(c);
   if (c.data.dataset == "synthetic" || c.data.dataset == "text") {
     // Cheap to build the model for the configured shape: catches e.g. a vit patch that does
     // not divide the image size before any data is loaded.

@@ -398,7 +398,9 @@ TEST(OptionsDescribe, ListsKeysWithTypesDefaultsAndLimits) {
   DataOptions data;
   const nlohmann::json fields = describe_options(data);
   ASSERT_TRUE(fields.is_array());
-  EXPECT_EQ(fields.size(), 14u);  // 11 for images and 3 for text (paths, block_size, windows)
+  // 11 for images, 3 for text (paths, block_size, windows), 5 for image folders, CSV files and
+  // augmentation (valid_path, label_column, task, flip, crop_padding)
+  EXPECT_EQ(fields.size(), 19u);
   const auto* paths = find_key(fields, "paths");
   ASSERT_NE(paths, nullptr);
   EXPECT_EQ((*paths)["default"], nlohmann::json::array());

@@ -52,8 +52,16 @@ struct RunOptions : Options {
 };
 
 struct DataOptions : Options {
-  std::string dataset = "fashion-mnist";  ///< fashion-mnist | synthetic | text | one a plugin registers
+  std::string dataset = "fashion-mnist";  ///< fashion-mnist | synthetic | text | image_folder | csv | one a plugin registers
   std::string path = "/usr/share/datasets/fashion-mnist";
+  // image_folder and csv
+  std::string valid_path;          ///< the validation folder (image_folder) or file (csv)
+  // csv only
+  std::string label_column;        ///< the label's header name; "" = the last column
+  std::string task = "classification";  ///< classification | regression (csv)
+  // image augmentation of the training split (seeded per epoch; resumes exactly)
+  bool flip = false;               ///< mirror left-right with probability 1/2
+  int64_t crop_padding = 0;        ///< pad by N pixels, crop back at a random offset; 0 = off
   // text data only
   std::vector<std::string> paths;  ///< text files or folders (read recursively, sorted)
   int64_t block_size = 128;        ///< tokens (bytes) per training window
@@ -69,6 +77,7 @@ struct DataOptions : Options {
   int64_t classes = 10;
   int64_t samples = 1024;
   void visit(FieldVisitor& v) override;
+  void check() const override;
 };
 
 struct ModelOptions : Options {
