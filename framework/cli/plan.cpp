@@ -96,6 +96,24 @@ double spread_of(const ChildResult& r, int64_t steady) {
   return std::hypot(within, kBetweenRuns);
 }
 
+/// Techniques whose effect the plan computes from a formula and the baseline's measured steady
+/// state instead of runs of their own. zero (ZeRO stages 1 and 2): on N ranks each rank keeps
+/// 1/N of the optimizer state S for the whole run, so the fixed part falls by S (1 - 1/N).
+/// Stage 2's gradients are 1/N only from the end of the backward (they are reduced after it),
+/// past the backward's peak, so the formula leaves them out; activations and the step time are
+/// the baseline's (the sync's extra time is not predicted).
+constexpr const char* kFormulaTechniques[] = {"zero"};
+
+bool by_formula(const std::string& technique) {
+  return std::find(std::begin(kFormulaTechniques), std::end(kFormulaTechniques), technique) !=
+         std::end(kFormulaTechniques);
+}
+
+int64_t steady_optimizer_state(const ChildResult& r) {
+  const auto& stages = r.report["fit"]["stages"];
+  return stages.empty() ? 0 : stages[0]["steady"].value("optimizer_state", int64_t{0});
+}
+
 }  // namespace
 
 CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
@@ -152,7 +170,8 @@ PlanInputs plan_inputs(const PlanArgs& a) {
              // Validation's peak does not follow the training batch: the plan is about training.
              "data.valid_samples=-1"};
   std::vector<std::vector<std::string>> sets = {{}};
-  for (const auto& x : in.t.techniques) sets.push_back({x});
+  for (const auto& x : in.t.techniques)
+    if (!by_formula(x)) sets.push_back({x});
   for (const auto& on : sets)
     for (int64_t size : {in.b, in.half})
       in.measure.push_back({name_of(on) + "-b" + std::to_string(size), on,
@@ -165,6 +184,7 @@ PlanInputs plan_inputs(const PlanArgs& a) {
 struct Measured {
   std::vector<Fit> fits;
   double invariant = 0;  ///< bytes per sample no technique changes: the loaded batch
+  int64_t base_optimizer_state = 0;  ///< the baseline's steady optimizer state (per rank)
   json runs = json::array();
 };
 
@@ -177,6 +197,23 @@ Fit fit_of(const ChildResult& big, const ChildResult& small, int64_t b, int64_t 
   f.step = step_of(big);
   f.spread = spread_of(big, steady);
   return f;
+}
+
+/// The formula techniques' fits, each at its place among the measured ones (kFormulaTechniques).
+void add_formula_fits(const PlanArgs& a, const PlanInputs& in, Measured& m) {
+  const double ranks = std::max(1, a.nproc);
+  for (size_t j = 0; j < in.t.techniques.size(); ++j) {
+    if (!by_formula(in.t.techniques[j])) continue;
+    Fit f = m.fits[0];
+    const double saved = static_cast<double>(m.base_optimizer_state) * (1.0 - 1.0 / ranks);
+    f.fixed -= saved;
+    m.fits.insert(m.fits.begin() + static_cast<std::ptrdiff_t>(j + 1), f);
+    m.runs.push_back({{"name", in.t.techniques[j]}, {"techniques", {in.t.techniques[j]}},
+                      {"formula", "baseline - optimizer_state * (1 - 1/ranks)"},
+                      {"ranks", static_cast<int64_t>(ranks)},
+                      {"optimizer_state_bytes", m.base_optimizer_state},
+                      {"saved_bytes", static_cast<int64_t>(saved)}});
+  }
 }
 
 Measured measure_all(const PlanArgs& a, const PlanInputs& in, const std::string& exe,
@@ -206,7 +243,9 @@ Measured measure_all(const PlanArgs& a, const PlanInputs& in, const std::string&
                                    static_cast<double>(in.b - in.half),
                                0.0, f.slope);
     m.fits.push_back(f);
+    if (m.fits.size() == 1) m.base_optimizer_state = steady_optimizer_state(big);
   }
+  add_formula_fits(a, in, m);
   return m;
 }
 
@@ -439,7 +478,13 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
   md << "# Plan for `" << a.config << "` within " << format_bytes(in.budget) << "\n\n"
      << "Batch size " << in.b << "; predicted from " << in.measure.size() << " runs of " << a.steps
      << " batches (the baseline and each technique alone at batch sizes " << in.b << " and "
-     << in.half << "); training peak, validation off.\n\n"
+     << in.half << "); training peak, validation off.\n\n";
+  for (const auto& t : in.t.techniques)
+    if (by_formula(t))
+      md << "`" << t << "` is not measured: its peak is the baseline's less "
+         << format_bytes(m.base_optimizer_state) << " of optimizer state x (1 - 1/"
+         << std::max(1, a.nproc) << " ranks) (ZeRO's formula).\n\n";
+  md
      << "| techniques | predicted peak | fits | predicted step time ± spread | measured peak | error |\n"
      << "|---|---:|:---:|---:|---:|---:|\n";
   out["combinations"] = combinations(all, best, md);

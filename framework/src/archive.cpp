@@ -134,6 +134,51 @@ void write_optimizer(OutputArchive& a, const torch::optim::Optimizer& opt, const
   a.write("optimizer.name", c10::IValue(name));
 }
 
+std::vector<char> optimizer_bytes(const torch::optim::Optimizer& opt, const std::string& name) {
+  OutputArchive sub;
+  write_optimizer(sub, opt, name);
+  std::vector<char> out;
+  sub.save_to([&](const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    out.insert(out.end(), c, c + n);
+    return n;
+  });
+  return out;
+}
+
+namespace {
+std::string rank_optimizer_key(int rank) { return "optimizer.rank" + std::to_string(rank); }
+}  // namespace
+
+void write_rank_optimizer(OutputArchive& a, int rank, const std::vector<char>& bytes) {
+  const auto n = static_cast<int64_t>(bytes.size());
+  torch::Tensor t = torch::empty({n}, torch::kByte);
+  if (n) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  a.write(rank_optimizer_key(rank), t);
+}
+
+bool has_rank_optimizer(InputArchive& a, int rank) {
+  torch::Tensor t;
+  return a.try_read(rank_optimizer_key(rank), t);
+}
+
+void read_rank_optimizer(InputArchive& a, int rank, InputArchive& out, const torch::Device& device,
+                         const std::string& path) {
+  torch::Tensor t;
+  if (!a.try_read(rank_optimizer_key(rank), t))
+    throw error(path, "has no optimizer state for rank " + std::to_string(rank) + " ('" +
+                          rank_optimizer_key(rank) + "')");
+  if (t.scalar_type() != torch::kByte || t.dim() != 1)
+    throw error(path, "has a damaged '" + rank_optimizer_key(rank) + "' record");
+  t = t.contiguous();
+  try {
+    out.load_from(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()), device);
+  } catch (const c10::Error& e) {
+    throw error(path, "has a damaged '" + rank_optimizer_key(rank) + "' record: " +
+                          first_line(e.what_without_backtrace()));
+  }
+}
+
 void write_callback_state(OutputArchive& a, const std::string& name, OutputArchive& state) {
   a.write("callbacks." + name, state);
 }

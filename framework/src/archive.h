@@ -11,6 +11,9 @@
 //   loss_sum         save_checkpoint mid-epoch: the epoch's running loss
 //   rng.cpu, rng.cuda  save_checkpoint only: the default generators' state
 //   rng.rank<r>.cpu  data parallel: rank r's CPU generator (rank 0's is rng.cpu)
+//   optimizer.rank<r>  a sharded optimizer (each rank steps its share of the parameters, as
+//                    ZeRO): rank r's optimizer and optimizer.name records, serialized as bytes
+//                    (rank 0's are optimizer and optimizer.name)
 // The zip's comment holds a CRC32 of every byte before it (file_seal.h), checked by open().
 // Every way a file can be unreadable, foreign, damaged or of another model is a CheckpointError
 // naming it.
@@ -40,6 +43,11 @@ void write_optimizer(OutputArchive& a, const torch::optim::Optimizer& opt, const
 void write_rng(OutputArchive& a, const RngState& rng);
 /// Data parallel: rank r's (r >= 1) CPU generator state, gathered by rank 0.
 void write_rank_rng(OutputArchive& a, int rank, const torch::Tensor& cpu_state);
+/// The bytes of an archive holding only the optimizer and optimizer.name records of `opt`:
+/// what a rank sends rank 0 when the ranks' optimizers differ.
+std::vector<char> optimizer_bytes(const torch::optim::Optimizer& opt, const std::string& name);
+/// Rank r's (r >= 1) optimizer_bytes, gathered by rank 0, as "optimizer.rank<r>".
+void write_rank_optimizer(OutputArchive& a, int rank, const std::vector<char>& bytes);
 /// A callback's save_state, under "callbacks.<name>".
 void write_callback_state(OutputArchive& a, const std::string& name, OutputArchive& state);
 /// The epoch's running loss (saved mid-epoch only).
@@ -59,6 +67,12 @@ void load_model(torch::nn::Module& model, InputArchive& a, const std::string& pa
 /// ends the first two messages (what the caller can do).
 void load_optimizer(torch::optim::Optimizer& opt, const std::string& name, InputArchive& a,
                     const std::string& path, const std::string& fix);
+/// Whether the archive holds rank r's own optimizer (optimizer.rank<r>).
+bool has_rank_optimizer(InputArchive& a, int rank);
+/// Rank r's optimizer_bytes as an archive `load_optimizer` reads. Throws CheckpointError naming
+/// `path` when the record is absent or damaged.
+void read_rank_optimizer(InputArchive& a, int rank, InputArchive& out, const torch::Device& device,
+                         const std::string& path);
 /// A callback's saved state into `state`; false when the archive has none for `name`.
 bool read_callback_state(InputArchive& a, const std::string& name, InputArchive& state);
 /// The running loss into `sum`; false when none was saved. Throws CheckpointError naming `path`

@@ -68,6 +68,12 @@ SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t b
   return volume;
 }
 
+DataParallel* find_data_parallel(const Learner& l) {
+  for (const auto& c : l.callbacks())
+    if (auto* dp = dynamic_cast<DataParallel*>(c.get())) return dp;
+  return nullptr;
+}
+
 void DataParallel::before_fit(Learner& l) {
   syncs_ = bytes_ = buckets_ = 0;
   broadcast_tensors(model_tensors(*l.model(), true, true), bucket_bytes_);
@@ -84,6 +90,7 @@ void DataParallel::before_batch(Learner& l) {
 
 void DataParallel::after_backward(Learner& l) {
   if (l.step_skipped() || l.micro_index() + 1 < l.micro_count()) return;
+  if (!sync_taken_by_.empty()) return;  // another callback reduces (hand_over_gradient_sync)
   const SyncVolume v = average_gradients(l.model()->parameters(), bucket_bytes_);
   buckets_ += v.buckets;
   bytes_ += v.bytes;

@@ -309,6 +309,42 @@ void World::broadcast(torch::Tensor& t, int root) {
   guarded("broadcast", [&] { impl_->group->broadcast(ts, bo)->wait(); });
 }
 
+Pending World::broadcast_async(torch::Tensor& t, int root) {
+  if (!distributed()) return Pending();
+  std::vector<torch::Tensor> ts{t};
+  c10d::BroadcastOptions bo;
+  bo.rootRank = root;
+  bo.timeout = impl_->timeout;
+  auto impl = std::make_unique<Pending::Impl>();
+  impl->work = guarded("broadcast", [&] { return impl_->group->broadcast(ts, bo); });
+  return Pending(std::move(impl));
+}
+
+Pending World::reduce_async(torch::Tensor& t, int root, Reduce op) {
+  if (!distributed()) return Pending();
+  std::vector<torch::Tensor> ts{t};
+  c10d::ReduceOptions ro;
+  ro.reduceOp = to_c10d(op);
+  ro.rootRank = root;
+  ro.timeout = impl_->timeout;
+  auto impl = std::make_unique<Pending::Impl>();
+  impl->work = guarded("reduce", [&] { return impl_->group->reduce(ts, ro); });
+  return Pending(std::move(impl));
+}
+
+std::vector<torch::Tensor> World::gather(const torch::Tensor& t, int root) {
+  if (!distributed()) return {t};
+  std::vector<torch::Tensor> in{t.contiguous()};
+  std::vector<std::vector<torch::Tensor>> out(rank() == root ? 1 : 0);
+  if (rank() == root)
+    for (int r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(in[0]));
+  c10d::GatherOptions go;
+  go.rootRank = root;
+  go.timeout = impl_->timeout;
+  guarded("gather", [&] { impl_->group->gather(out, in, go)->wait(); });
+  return rank() == root ? out[0] : std::vector<torch::Tensor>{};
+}
+
 std::vector<torch::Tensor> World::all_gather(const torch::Tensor& t) {
   if (!distributed()) return {t};
   std::vector<torch::Tensor> in{t.contiguous()};

@@ -1,6 +1,7 @@
 // The Learner's save/load and checkpoint/resume: what to write and where a resumed fit picks
 // up. The file format itself is archive.h's.
 #include <algorithm>
+#include <cstring>
 
 #include "archive.h"
 #include "frugal/distributed.h"
@@ -17,6 +18,29 @@ std::string list(const std::vector<std::string>& v) {
   std::string out;
   for (const auto& n : v) out += (out.empty() ? "" : ", ") + n;
   return "[" + out + "]";
+}
+
+// Every rank's optimizer_bytes on rank 0 ({} elsewhere), for a sharded optimizer. A collective:
+// the bytes travel padded to the longest, behind their length; only rank 0 holds them all.
+std::vector<std::vector<char>> gather_optimizers(const torch::optim::Optimizer& opt,
+                                                 const std::string& name) {
+  World& world = World::get();
+  const std::vector<char> own = archive::optimizer_bytes(opt, name);
+  const auto n = static_cast<int64_t>(own.size());
+  const int64_t longest = world.max(n);
+  torch::Tensor t = torch::zeros({longest + 8}, torch::kByte);
+  std::memcpy(t.data_ptr(), &n, 8);
+  if (n) std::memcpy(static_cast<char*>(t.data_ptr()) + 8, own.data(), own.size());
+  const auto all = world.gather(t.to(world.device()));
+  std::vector<std::vector<char>> out;
+  for (const auto& g : all) {
+    const torch::Tensor c = g.cpu().contiguous();
+    const char* p = static_cast<const char*>(c.data_ptr());
+    int64_t len = 0;
+    std::memcpy(&len, p, 8);
+    out.emplace_back(p + 8, p + 8 + len);
+  }
+  return out;
 }
 
 }  // namespace
@@ -90,12 +114,17 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     r.info["world_size"] = world.size();
     rank_rngs = world.all_gather(rng.cpu.to(world.device()));
   }
+  std::vector<std::vector<char>> rank_optimizers;  // a sharded optimizer: every rank's own
+  if (world.distributed() && per_rank_optimizer_) {
+    r.info["optimizer_per_rank"] = true;
+    rank_optimizers = gather_optimizers(*optimizer_, optimizer_options_.name);
+  }
   if (!world.is_main()) {  // rank 0 writes; the others learn whether it did
     if (world.any(false)) throw CheckpointError("rank 0 could not write checkpoint '" + path + "'");
     return;
   }
   try {
-    write_checkpoint_file(path, r, rng, rank_rngs);
+    write_checkpoint_file(path, r, rng, rank_rngs, rank_optimizers);
   } catch (...) {
     world.any(true);
     throw;
@@ -105,7 +134,8 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
 
 void Learner::write_checkpoint_file(const std::string& path, const archive::ResumeRecord& r,
                                     const RngState& rng,
-                                    const std::vector<torch::Tensor>& rank_rngs) {
+                                    const std::vector<torch::Tensor>& rank_rngs,
+                                    const std::vector<std::vector<char>>& rank_optimizers) {
   archive::OutputArchive a;
   archive::write_header(a);
   archive::write_resume(a, r);
@@ -120,6 +150,8 @@ void Learner::write_checkpoint_file(const std::string& path, const archive::Resu
   archive::write_rng(a, rng);
   for (size_t k = 1; k < rank_rngs.size(); ++k)
     archive::write_rank_rng(a, static_cast<int>(k), rank_rngs[k]);
+  for (size_t k = 1; k < rank_optimizers.size(); ++k)
+    archive::write_rank_optimizer(a, static_cast<int>(k), rank_optimizers[k]);
   archive::write_file(a, path);
 }
 
@@ -209,9 +241,7 @@ int64_t Learner::apply_resume() {
   const bool fresh_optimizer = !p.done && p.epoch == 0 && p.batch == 0 &&
                                p.stage < static_cast<int64_t>(stages_.size()) &&
                                stages_[static_cast<size_t>(p.stage)].has_optimizer;
-  if (!fresh_optimizer)
-    archive::load_optimizer(*optimizer_, optimizer_options_.name, r->archive, r->path,
-                            " at that point");
+  if (!fresh_optimizer) load_optimizer_state(*r);
   if (training_ && p.batch > num_batches_)
     throw CheckpointError("checkpoint '" + r->path + "' stopped at batch " +
                           std::to_string(p.batch) + " of an epoch that now has " +
@@ -220,6 +250,31 @@ int64_t Learner::apply_resume() {
   next_ = p;
   next_.stop_epoch = next_.stop_fit = false;
   return p.batch;
+}
+
+// The optimizer's state at the position: rank 0's record, or with a sharded optimizer each
+// rank's own. A checkpoint of the other kind cannot fit: the ranks' parameter shares differ.
+void Learner::load_optimizer_state(PendingResume& r) {
+  const World& world = World::get();
+  const bool saved_per_rank =
+      r.record.info.is_object() && r.record.info.value("optimizer_per_rank", false);
+  if (world.distributed() && saved_per_rank != per_rank_optimizer_)
+    throw CheckpointError(
+        "checkpoint '" + r.path + "' holds " +
+        (saved_per_rank ? std::string("one optimizer shard per rank (its run sharded the "
+                                      "optimizer, e.g. plugins.zero); this run does not")
+                        : std::string("one optimizer for every rank (plain data parallel); "
+                                      "this run shards it across ranks (e.g. plugins.zero)")) +
+        ": resume with the plugins it was written with");
+  if (!per_rank_optimizer_ || world.rank() == 0) {
+    archive::load_optimizer(*optimizer_, optimizer_options_.name, r.archive, r.path,
+                            " at that point");
+    return;
+  }
+  archive::InputArchive own;
+  archive::read_rank_optimizer(r.archive, world.rank(), own, device_, r.path);
+  archive::load_optimizer(*optimizer_, optimizer_options_.name, own, r.path,
+                          " (rank " + std::to_string(world.rank()) + "'s) at that point");
 }
 
 // Every saved callback state must have its callback here; each callback present reads its own.

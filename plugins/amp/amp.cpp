@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include <frugal/compat.h>
+#include <frugal/distributed.h>
 #include <frugal/error.h>
 
 namespace frugal::amp {
@@ -142,7 +143,9 @@ void Amp::after_backward(frugal::Learner& l) {
   for (const auto& p : l.model()->parameters())
     if (p.grad().defined()) grads.push_back(p.grad());
   const double scale = scaler_.scale();
-  const bool found_inf = scaler_.unscale(grads);
+  // Every rank must skip the same steps: with gradients sharded across data-parallel ranks
+  // (plugins.zero stage 2) each rank sees only its own share, so the verdict is the ranks' any.
+  const bool found_inf = frugal::World::get().any(scaler_.unscale(grads));
   scaler_.update(found_inf);
   if (found_inf) {
     l.skip_step();

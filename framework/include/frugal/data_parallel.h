@@ -11,12 +11,16 @@
 ///                   as DDP), launched together, then divided by the world size. Runs before
 ///                   amp's unscale (kGradientSync > kPrecision in after_* order), so every rank
 ///                   sees the same non-finite gradients and skips the same steps.
+///                   A callback that synchronises gradients itself (a sharded optimizer
+///                   reducing each gradient to the one rank that steps it) takes this over
+///                   with hand_over_gradient_sync: the all-reduce is then skipped.
 ///   after_train     rank 0's buffers (BatchNorm running statistics) to every rank, before
 ///                   validation and before an epoch's checkpoint
 ///
 /// A parameter that trains but got no gradient on a rank (unused in its forward) contributes
 /// zeros: after the sync every rank holds the same, defined gradient.
 #include <cstdint>
+#include <string>
 
 #include "frugal/callback.h"
 
@@ -37,9 +41,19 @@ class DataParallel : public Callback {
   int64_t syncs() const { return syncs_; }
   int64_t bytes_reduced() const { return bytes_; }
   int64_t buckets() const { return buckets_; }
+  int64_t bucket_bytes() const { return bucket_bytes_; }
+
+  /// The lever for a callback that synchronises gradients its own way: from now on
+  /// after_backward leaves the gradients as this rank's backward made them, and the callback
+  /// named `by` (logs, report) must bring them where the optimizer needs them. "" gives the
+  /// sync back. Broadcasts, batch weights and buffers stay this callback's.
+  void hand_over_gradient_sync(const std::string& by) { sync_taken_by_ = by; }
+  /// Who took the gradient sync over; "" when this callback all-reduces.
+  const std::string& gradient_sync_taken_by() const { return sync_taken_by_; }
 
  private:
   int64_t bucket_bytes_;
+  std::string sync_taken_by_;
   int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0;
 };
 
@@ -51,5 +65,8 @@ struct SyncVolume {
 /// Every gradient of `params` (those that train) summed across ranks and divided by the world
 /// size, in buckets of `bucket_bytes` all launched before the first is awaited.
 SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes);
+
+/// The DataParallel callback `l` runs, or nullptr (one process; a C++ user who did not add it).
+DataParallel* find_data_parallel(const Learner& l);
 
 }  // namespace frugal

@@ -91,6 +91,14 @@ class World {
   Pending all_reduce_async(torch::Tensor& t, Reduce op = Reduce::Sum);
   /// Every tensor takes root's values.
   void broadcast(torch::Tensor& t, int root = 0);
+  Pending broadcast_async(torch::Tensor& t, int root = 0);
+  /// `t` reduced into root's `t` (the others' `t` are left undefined in value): what a
+  /// sharded optimizer needs to bring a gradient to the one rank that steps it. Gloo has no
+  /// reduce_scatter; this is its replacement, one owner at a time.
+  Pending reduce_async(torch::Tensor& t, int root, Reduce op = Reduce::Sum);
+  /// Every rank's `t` (same shape on every rank) on root only, in rank order; {} elsewhere.
+  /// Unlike all_gather, only root holds them all.
+  std::vector<torch::Tensor> gather(const torch::Tensor& t, int root = 0);
   /// Each rank's `t` (same shape on every rank), in rank order.
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t);
   void barrier();

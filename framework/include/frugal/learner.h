@@ -75,6 +75,12 @@ class Learner {
   /// How many times set_optimizer replaced the optimizer: a callback that must react to a new
   /// optimizer compares it (a new optimizer may reuse the old one's address).
   int64_t optimizer_changes() const { return optimizer_changes_; }
+  /// For an optimizer sharded across data-parallel ranks (each rank steps only its share of
+  /// the parameters, as ZeRO): checkpoints then keep every rank's optimizer state (gathered to
+  /// rank 0, which writes the file), a resume gives each rank its own, and a checkpoint of the
+  /// other kind is refused. Default false: the ranks' optimizers are equal; rank 0's is saved.
+  void set_per_rank_optimizer_state(bool on) { per_rank_optimizer_ = on; }
+  bool per_rank_optimizer_state() const { return per_rank_optimizer_; }
   const LossFn& loss_fn() const { return loss_fn_; }
   void set_loss_fn(LossFn f) { loss_fn_ = std::move(f); }
   DataLoader& train_data() { return live().train_; }
@@ -287,12 +293,15 @@ class Learner {
   void load_callback_states(PendingResume& r);
   void restore_loop_state(PendingResume& r);
   void write_checkpoint_file(const std::string& path, const archive::ResumeRecord& r,
-                             const RngState& rng, const std::vector<torch::Tensor>& rank_rngs);
+                             const RngState& rng, const std::vector<torch::Tensor>& rank_rngs,
+                             const std::vector<std::vector<char>>& rank_optimizers);
+  void load_optimizer_state(PendingResume& r);
 
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   OptimizerOptions optimizer_options_;
   int64_t optimizer_changes_ = 0;
+  bool per_rank_optimizer_ = false;
   LossFn loss_fn_;
   DataLoader train_;
   std::optional<DataLoader> valid_;

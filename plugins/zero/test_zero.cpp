@@ -1,0 +1,172 @@
+// The zero plugin: its partition and buckets called directly, and `frugal train --nproc 2` (two
+// processes on loopback, Gloo) with [plugins.zero] against plain data parallel on the same
+// config: the same weights, half the optimizer state (stage 1) and gradients (stage 2) per rank,
+// a bitwise resume. Every run ends on its own: distributed.timeout and the shell's `timeout`.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_support.h"
+#include "frugal/learner.h"
+#include "frugal/safetensors.h"
+#include "support.h"
+#include "zero.h"
+
+namespace frugal::test {
+namespace {
+
+namespace z = frugal::zero;
+
+TEST(ZeroMath, WholeParametersGoLargestFirstToTheLightestRank) {
+  //                                      0    1    2   3   4   5
+  const auto owners = z::partition_by_bytes({400, 16, 400, 16, 40, 4}, 2);
+  // 400 -> 0, 400 -> 1, 40 -> 0 (a tie: the lower rank), then 16, 16 and 4 to rank 1 (416 <
+  // 440, 432 < 440, 436 < 440): rank 0 holds 440 bytes, rank 1 436.
+  EXPECT_EQ(owners, (std::vector<int>{0, 1, 1, 1, 0, 1}));
+  EXPECT_EQ(z::partition_by_bytes({5, 5, 5}, 1), (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(z::partition_by_bytes({8, 4}, 3), (std::vector<int>{0, 1})) << "a rank may own none";
+  EXPECT_THROW(z::partition_by_bytes({1}, 0), std::invalid_argument);
+}
+
+TEST(ZeroMath, BucketsHoldOneOwnersTrainableParametersUpToTheCap) {
+  std::vector<torch::Tensor> ps = {torch::zeros({10}), torch::zeros({10}), torch::zeros({10}),
+                                   torch::zeros({10}, torch::kDouble), torch::zeros({10})};
+  const std::vector<int> owners = {0, 1, 0, 0, 0};
+  const std::vector<bool> take = {true, true, true, true, false};
+  const auto fwd = z::owner_buckets(ps, owners, take, 80, false);
+  ASSERT_EQ(fwd.size(), 3u);  // rank 0: {0, 2} (80 bytes: the cap), {3} (double); rank 1: {1}
+  EXPECT_EQ(fwd[0].params, (std::vector<size_t>{0, 2}));
+  EXPECT_EQ(fwd[0].bytes, 80);
+  EXPECT_EQ(fwd[1].params, (std::vector<size_t>{3}));
+  EXPECT_EQ(fwd[2].owner, 1);
+  const auto rev = z::owner_buckets(ps, owners, take, 1 << 20, true);
+  ASSERT_EQ(rev.size(), 3u);
+  EXPECT_EQ(rev[0].params, (std::vector<size_t>{3}));
+  EXPECT_EQ(rev[1].params, (std::vector<size_t>{2, 0})) << "backward's order";
+}
+
+// ---------------------------------------------------------------- two ranks on loopback
+
+/// 240 samples in batches of 40 (6 steps); an MLP whose two 64x64 layers split evenly (rank 0:
+/// the stem and the head, 51% of the bytes; rank 1: block1 and the biases).
+std::string config(const std::string& out, const std::string& optimizer, const std::string& extra) {
+  return "[run]\nout_dir = \"" + out + "\"\nprogress = \"log\"\nlog_every = 1\nthreads = 1\n"
+         "seed = 3\nwarmup = 0\n"
+         "[data]\ndataset = \"synthetic\"\nsamples = 240\nimage_size = 8\nclasses = 4\n"
+         "batch_size = 40\nvalid_samples = -1\n"
+         "[model]\narch = \"mlp\"\nwidth = 64\ndepth = 1\n"
+         "[optimizer]\nname = \"" + optimizer + "\"\nlr = 0.01\n" +
+         (optimizer == "sgd" ? "momentum = 0.9\n" : "") +
+         "[distributed]\ntimeout = 30\n[[stages]]\nepochs = 1\n" + extra;
+}
+
+/// `frugal train --nproc 2` of `toml` (written to dir/name.toml), ended after 90 s at most.
+CliResult train2(TempDir& dir, const std::string& name, const std::string& toml,
+                 const std::string& more = "") {
+  write_text(dir.file(name + ".toml"), toml);
+  return run_cli("train " + dir.file(name + ".toml") + " --nproc 2" + more, "timeout -k 5 90");
+}
+
+std::string run(TempDir& dir, const std::string& name, const std::string& optimizer,
+                const std::string& extra) {
+  const std::string out = dir.file(name);
+  const auto r = train2(dir, name, config(out, optimizer, extra));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return out;
+}
+
+double max_difference(const std::string& a_out, const std::string& b_out) {
+  const auto a = safetensors::read(a_out + "/model.safetensors");
+  const auto b = safetensors::read(b_out + "/model.safetensors");
+  double worst = a.size() == b.size() && !a.empty() ? 0.0 : 1e9;
+  for (const auto& [k, t] : a)
+    worst = std::max(worst, (t.to(torch::kDouble) - b.at(k).to(torch::kDouble)).abs().max().item<double>());
+  return worst;
+}
+
+/// Each rank's steady gradients and optimizer state, from rank 0's report.
+std::vector<std::pair<int64_t, int64_t>> rank_bytes(const std::string& out) {
+  const auto j = nlohmann::json::parse(read_text(out + "/report.json"));
+  std::vector<std::pair<int64_t, int64_t>> v;
+  for (const auto& r : j["distributed"]["ranks"])
+    v.emplace_back(r["steady_gradients"].get<int64_t>(), r["steady_optimizer_state"].get<int64_t>());
+  return v;
+}
+
+const std::string kStage1 = "[plugins.zero]\nstage = 1\n", kStage2 = "[plugins.zero]\nstage = 2\n";
+
+// Exact, not only close: each rank steps its parameters with the same averaged gradients plain
+// data parallel computes (a sum of two halves is the same either way), and broadcasts copy bits.
+TEST(ZeroCli, StagesOneAndTwoTrainAsPlainDataParallelWithAdamAndSgdMomentum) {
+  TempDir dir;
+  for (const std::string opt : {"adam", "sgd"}) {
+    const std::string dp = run(dir, opt + "-dp", opt, "");
+    const std::string z1 = run(dir, opt + "-z1", opt, kStage1);
+    const std::string z2 = run(dir, opt + "-z2", opt, kStage2);
+    EXPECT_LT(max_difference(dp, z1), 1e-6) << opt;
+    EXPECT_LT(max_difference(dp, z2), 1e-6) << opt;
+
+    const auto plain = rank_bytes(dp), one = rank_bytes(z1), two = rank_bytes(z2);
+    ASSERT_EQ(plain.size(), 2u);
+    ASSERT_EQ(one.size(), 2u);
+    ASSERT_EQ(two.size(), 2u);
+    ASSERT_GT(plain[0].second, 0) << opt;
+    for (int r = 0; r < 2; ++r) {
+      // Stage 1: the state is split, not lost; each rank holds about half (the partition is
+      // by whole parameters), and the gradients stay whole.
+      EXPECT_EQ(one[0].second + one[1].second, plain[r].second) << opt;
+      EXPECT_LT(one[r].second, plain[r].second * 0.6) << opt << " rank " << r;
+      EXPECT_EQ(one[r].first, plain[r].first) << opt;
+      // Stage 2: the reduced gradients split the same way as the state.
+      EXPECT_EQ(two[0].first + two[1].first, plain[r].first) << opt;
+      EXPECT_LT(two[r].first, plain[r].first * 0.6) << opt << " rank " << r;
+      EXPECT_EQ(two[r].second, one[r].second) << opt;
+    }
+  }
+}
+
+// bf16 autocast and two batches per step (the reduce at the group's last batch only), together:
+// one pair of runs for both.
+TEST(ZeroCli, Stage2ComposesWithAmpBf16AndGradAccum) {
+  TempDir dir;
+  const std::string both = "[plugins.amp]\ndtype = \"bfloat16\"\n"
+                           "[plugins.grad_accum]\nsteps = 2\nmode = \"accumulate\"\n";
+  const std::string dp = run(dir, "dp", "adam", both), z2 = run(dir, "z2", "adam", both + kStage2);
+  EXPECT_LT(max_difference(dp, z2), 1e-6);
+  const auto j = nlohmann::json::parse(read_text(z2 + "/report.json"));
+  EXPECT_EQ(j["fit"]["optimizer_steps"], 3) << "6 batches, 2 per step";
+}
+
+// A checkpoint holds every rank's optimizer shard (gathered on rank 0) and the sharding; a
+// resume with 2 ranks continues bitwise, one process is refused before training. (Resuming it
+// without zero is refused by the core's check that every saved callback state has its callback.)
+TEST(ZeroCli, CheckpointResumesBitwiseAndAnotherWorldSizeIsRefused) {
+  TempDir dir;
+  auto cfg = [&](const std::string& out) {
+    std::string t = config(out, "adam", kStage2);
+    t.replace(t.find("warmup = 0\n"), 11, "warmup = 0\ncheckpoint_every = 2\nkeep_checkpoints = 3\n");
+    return t;
+  };
+  const std::string whole = dir.file("whole");
+  ASSERT_EQ(train2(dir, "whole", cfg(whole)).exit_code, 0);
+  const std::string ckpt = whole + "/checkpoints/step-00000002.ckpt";
+  const auto info = Learner::read_checkpoint(ckpt);
+  EXPECT_TRUE(info["info"].value("optimizer_per_rank", false)) << info.dump();
+
+  const std::string resumed = dir.file("resumed");
+  const auto r = train2(dir, "resumed", cfg(resumed), " --resume " + ckpt);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(max_difference(whole, resumed), 0.0) << "each rank's Adam moments continue";
+
+  const auto one = run_cli("train " + dir.file("resumed.toml") + " --resume " + ckpt +
+                               " --set run.out_dir='\"" + dir.file("one") + "\"'",
+                           "timeout -k 5 90");
+  EXPECT_NE(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("written by a run of 2 process(es); this run has 1"), std::string::npos)
+      << one.output;
+}
+
+}  // namespace
+}  // namespace frugal::test

@@ -1,0 +1,291 @@
+// zero: ZeRO stages 1 and 2 — each rank steps, and in stage 2 holds the reduced gradients of,
+// its own share of the parameters.
+#include "zero.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include <frugal/compat.h>
+#include <frugal/data_parallel.h>
+#include <frugal/distributed.h>
+#include <frugal/error.h>
+#include <frugal/memory.h>
+#include <frugal/optimizers.h>
+
+namespace frugal::zero {
+
+// ---- the arithmetic -----------------------------------------------------------------------
+
+std::vector<int> partition_by_bytes(const std::vector<int64_t>& bytes, int world) {
+  if (world < 1) throw std::invalid_argument("zero::partition_by_bytes: world must be >= 1");
+  std::vector<size_t> order(bytes.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  // Stable: equal sizes keep the model's order, so every rank sorts alike.
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bytes[a] > bytes[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(world), 0);
+  std::vector<int> owners(bytes.size(), 0);
+  for (size_t i : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    owners[i] = static_cast<int>(least);
+    load[static_cast<size_t>(least)] += bytes[i];
+  }
+  return owners;
+}
+
+std::vector<Bucket> owner_buckets(const std::vector<torch::Tensor>& params,
+                                  const std::vector<int>& owners, const std::vector<bool>& take,
+                                  int64_t bucket_bytes, bool reverse) {
+  const int world = owners.empty() ? 0 : *std::max_element(owners.begin(), owners.end()) + 1;
+  std::vector<Bucket> out;
+  for (int r = 0; r < world; ++r) {
+    bool open = false;
+    for (size_t k = 0; k < params.size(); ++k) {
+      const size_t i = reverse ? params.size() - 1 - k : k;
+      if (owners[i] != r || !take[i]) continue;
+      const torch::Tensor& p = params[i];
+      if (!open || out.back().bytes >= bucket_bytes ||
+          params[out.back().params.front()].scalar_type() != p.scalar_type()) {
+        out.push_back(Bucket{r, {}, 0});
+        open = true;
+      }
+      out.back().params.push_back(i);
+      out.back().bytes += static_cast<int64_t>(p.numel()) * static_cast<int64_t>(p.element_size());
+    }
+  }
+  return out;
+}
+
+namespace {
+
+std::vector<bool> trainable(const std::vector<torch::Tensor>& params) {
+  std::vector<bool> take;
+  for (const auto& p : params) take.push_back(p.requires_grad());
+  return take;
+}
+
+torch::Tensor flatten(const std::vector<torch::Tensor>& ts) {
+  return ts.size() == 1 ? ts.front().contiguous().view(-1).clone() : at::flatten_dense_tensors(ts);
+}
+
+void unflatten_into(const torch::Tensor& flat, const std::vector<torch::Tensor>& into) {
+  const auto parts = at::unflatten_dense_tensors(flat, into);
+  for (size_t i = 0; i < into.size(); ++i) into[i].copy_(parts[i]);
+}
+
+}  // namespace
+
+int64_t reduce_to_owners(const std::vector<torch::Tensor>& params, const std::vector<int>& owners,
+                         int64_t bucket_bytes) {
+  World& w = World::get();
+  torch::NoGradGuard no_grad;
+  struct Flight {
+    std::vector<torch::Tensor> grads;  // the owner's, to receive the sum
+    torch::Tensor flat;
+    Pending pending;
+  };
+  std::vector<Flight> flights;
+  int64_t sent = 0;
+  // Every bucket on the wire before the first is awaited, in the same order on every rank.
+  for (const Bucket& b : owner_buckets(params, owners, trainable(params), bucket_bytes, true)) {
+    Flight f;
+    for (size_t i : b.params) {
+      torch::Tensor p = params[i];
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);  // unused on this rank
+      f.grads.push_back(p.grad());
+    }
+    f.flat = flatten(f.grads);
+    f.pending = w.reduce_async(f.flat, b.owner);
+    sent += b.bytes;
+    if (b.owner != w.rank()) {  // the copy on the wire is all that is left of them
+      for (size_t i : b.params) params[i].mutable_grad().reset();
+      f.grads.clear();
+    }
+    flights.push_back(std::move(f));
+  }
+  const double inv = 1.0 / static_cast<double>(w.size());
+  for (auto& f : flights) {
+    f.pending.wait();
+    if (f.grads.empty()) continue;
+    f.flat.mul_(inv);  // as data_parallel: the sum, then the mean (Gloo has no AVG)
+    unflatten_into(f.flat, f.grads);
+  }
+  return sent;
+}
+
+int64_t broadcast_from_owners(const std::vector<torch::Tensor>& params,
+                              const std::vector<int>& owners, int64_t bucket_bytes) {
+  World& w = World::get();
+  torch::NoGradGuard no_grad;
+  struct Flight {
+    std::vector<torch::Tensor> into;  // a receiver's parameters
+    torch::Tensor flat;
+    Pending pending;
+  };
+  std::vector<Flight> flights;
+  int64_t bytes = 0;
+  for (const Bucket& b : owner_buckets(params, owners, trainable(params), bucket_bytes, false)) {
+    Flight f;
+    std::vector<torch::Tensor> ps;
+    int64_t numel = 0;
+    for (size_t i : b.params) {
+      ps.push_back(params[i]);
+      numel += params[i].numel();
+    }
+    if (b.owner == w.rank()) {
+      f.flat = flatten(ps);
+    } else {
+      f.flat = torch::empty({numel}, ps.front().options());
+      f.into = std::move(ps);
+    }
+    f.pending = w.broadcast_async(f.flat, b.owner);
+    bytes += b.bytes;
+    flights.push_back(std::move(f));
+  }
+  for (auto& f : flights) {
+    f.pending.wait();
+    if (!f.into.empty()) unflatten_into(f.flat, f.into);
+  }
+  return bytes;
+}
+
+// ---- the plugin ---------------------------------------------------------------------------
+
+void ZeroOptions::visit(frugal::FieldVisitor& v) {
+  v.field("stage", stage,
+          "1 = each rank keeps the optimizer state of its share of the parameters; 2 = the "
+          "reduced gradients of its share too (ZeRO's P_os and P_os+g)",
+          frugal::Limits{1, 2});
+}
+
+Zero::Zero(const ZeroOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
+
+void Zero::before_fit(frugal::Learner& l) {
+  World& w = World::get();
+  owners_.clear();
+  step_gradients_ = reduced_ = broadcast_ = steps_ = 0;
+  ranks_.clear();
+  if (!w.distributed()) {
+    log_->warn("one process: nothing to shard (run with frugal train --nproc N or torchrun)");
+    return;
+  }
+  DataParallel* dp = find_data_parallel(l);
+  if (!dp)
+    frugal::throw_config_error(
+        "plugins.zero shards the optimizer across data-parallel ranks, but this learner has no "
+        "data_parallel callback: add frugal::DataParallel after World::init (frugal train "
+        "does)");
+  bucket_bytes_ = dp->bucket_bytes();
+  std::vector<int64_t> bytes;
+  for (const auto& p : l.model()->parameters())
+    bytes.push_back(static_cast<int64_t>(p.numel()) * static_cast<int64_t>(p.element_size()));
+  owners_ = partition_by_bytes(bytes, w.size());
+  if (o_.stage == 2) dp->hand_over_gradient_sync(name());
+  l.set_per_rank_optimizer_state(true);
+  shard_optimizer(l);
+  int64_t mine = 0;
+  for (size_t i = 0; i < bytes.size(); ++i)
+    if (owners_[i] == w.rank()) mine += bytes[i];
+  log_->info("stage {}: rank {} steps {} of the {} parameter tensors ({} of {})", o_.stage,
+             w.rank(), std::count(owners_.begin(), owners_.end(), w.rank()), owners_.size(),
+             frugal::format_bytes(mine),
+             frugal::format_bytes(std::accumulate(bytes.begin(), bytes.end(), int64_t{0})));
+}
+
+// The optimizer the learner holds (built over every parameter) replaced by the same optimizer
+// over this rank's share. State it already holds for that share moves over (optim_swap's
+// seeded momentum); a fresh optimizer has none, so the full one never held the whole state.
+void Zero::shard_optimizer(frugal::Learner& l) {
+  std::vector<torch::Tensor> mine;
+  const auto params = l.model()->parameters();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (owners_[i] == World::get().rank()) mine.push_back(params[i]);
+  const frugal::OptimizerOptions o = l.optimizer_options();
+  auto sharded = frugal::make_optimizer(o, mine);
+  auto& old = l.optimizer().state();
+  for (const auto& p : mine) {
+    auto it = old.find(frugal::compat::optimizer_state_key(p));
+    if (it != old.end()) sharded->state()[it->first] = std::move(it->second);
+  }
+  l.set_optimizer(std::move(sharded), o);
+  changes_ = l.optimizer_changes();
+}
+
+void Zero::before_stage(frugal::Learner& l) {
+  if (active() && l.optimizer_changes() != changes_) shard_optimizer(l);
+}
+
+void Zero::before_batch(frugal::Learner& l) { before_stage(l); }
+
+void Zero::after_backward(frugal::Learner& l) {
+  if (!active() || o_.stage != 2) return;
+  if (l.step_skipped() || l.micro_index() + 1 < l.micro_count()) return;  // as data_parallel
+  reduced_ += reduce_to_owners(l.model()->parameters(), owners_, bucket_bytes_);
+}
+
+void Zero::before_step(frugal::Learner& l) {
+  if (!active()) return;
+  before_stage(l);  // a callback that replaced the optimizer since before_batch
+  step_gradients_ = std::max(step_gradients_, frugal::gradient_bytes(*l.model()));
+}
+
+void Zero::after_step(frugal::Learner& l) {
+  if (!active()) return;
+  broadcast_ += broadcast_from_owners(l.model()->parameters(), owners_, bucket_bytes_);
+  ++steps_;
+}
+
+void Zero::after_fit(frugal::Learner& l) {
+  if (!active()) return;
+  World& w = World::get();
+  if (DataParallel* dp = find_data_parallel(l)) dp->hand_over_gradient_sync("");
+  int64_t mine = 0;
+  const auto params = l.model()->parameters();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (owners_[i] == w.rank()) mine += static_cast<int64_t>(params[i].nbytes());
+  const int64_t state = frugal::optimizer_state_bytes(l.optimizer());
+  const auto all = w.all_gather(torch::tensor({mine, state, step_gradients_}, torch::kLong).to(w.device()));
+  for (size_t r = 0; r < all.size(); ++r) {
+    const torch::Tensor v = all[r].cpu();
+    ranks_.push_back({v[0].item<int64_t>(), v[1].item<int64_t>(), v[2].item<int64_t>()});
+    if (w.is_main())
+      log_->info("stage {}: rank {} owns {} of parameters, holds {} of optimizer state and at "
+                 "most {} of gradients at a step ({} steps; per step {} reduced, {} broadcast)",
+                 o_.stage, r, frugal::format_bytes(ranks_.back().owned_parameters),
+                 frugal::format_bytes(ranks_.back().optimizer_state),
+                 frugal::format_bytes(ranks_.back().step_gradients), steps_,
+                 frugal::format_bytes(steps_ ? reduced_ / steps_ : 0),
+                 frugal::format_bytes(steps_ ? broadcast_ / steps_ : 0));
+  }
+}
+
+void Zero::save_state(torch::serialize::OutputArchive& a) const {
+  if (!active()) return;
+  a.write("stage", torch::tensor(o_.stage));
+  a.write("world_size", torch::tensor(static_cast<int64_t>(World::get().size())));
+  a.write("owners", torch::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())));
+}
+
+void Zero::load_state(frugal::Learner&, torch::serialize::InputArchive& a) {
+  torch::Tensor saved;
+  if (!a.try_read("owners", saved)) {
+    if (active())
+      throw frugal::CheckpointError(
+          "the checkpoint has no zero sharding (it was written in one process): its optimizer "
+          "cannot be split across these ranks");
+    return;
+  }
+  const std::vector<int64_t> now(owners_.begin(), owners_.end());
+  if (saved.numel() != static_cast<int64_t>(now.size()) ||
+      !torch::equal(saved.to(torch::kLong), torch::tensor(now)))
+    throw frugal::CheckpointError(
+        "the checkpoint's optimizer shards were cut for another model or world size (its "
+        "parameters' owners differ from this run's): resume with the model and the number of "
+        "ranks it was written with");
+}
+
+}  // namespace frugal::zero
+
+FRUGAL_PLUGIN(frugal::zero::Zero, frugal::zero::ZeroOptions, "zero",
+              "ZeRO stages 1 and 2: each data-parallel rank keeps the optimizer state (and the "
+              "reduced gradients) of its share of the parameters",
+              "1.0.0")
