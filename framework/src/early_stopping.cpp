@@ -18,9 +18,12 @@ MetricMonitor::MetricMonitor(std::string metric, double min_delta)
 
 void MetricMonitor::check(const Task& task, const std::string& key) const {
   const std::string own = task.metric(MetricSums{}).name;
-  if (metric_ == "valid_loss" || metric_ == "accuracy" || metric_ == own) return;
-  throw_config_error((key.empty() ? "" : key + " = ") + "\"" + metric_ + "\": this " + task.name() + " run's validation "
-                     "gives \"valid_loss\", \"accuracy\" and its own metric \"" + own + "\"");
+  // A regression scores no argmax hits: it has no accuracy to watch.
+  const bool has_accuracy = task.kind != TaskKind::Regression;
+  if (metric_ == "valid_loss" || (metric_ == "accuracy" && has_accuracy) || metric_ == own) return;
+  throw_config_error((key.empty() ? "" : key + " = ") + "\"" + metric_ + "\": this " + task.name() +
+                     " run's validation gives \"valid_loss\", " +
+                     (has_accuracy ? "\"accuracy\" " : "") + "and its own metric \"" + own + "\"");
 }
 
 double MetricMonitor::value(const Task& task, const MetricSums& s) const {

@@ -228,7 +228,8 @@ void add_safety_nets(const Config& c, Learner& l) {
       MetricMonitor m(metric, min_delta);
       m.check(l.task(), "");  // named() prefixes the file and key
       if (!l.valid_data())
-        throw_config_error("\"" + metric + "\" needs validation data, and data.valid_samples = -1");
+        throw_config_error("\"" + metric + "\" needs validation data, but data.valid_samples = -1 "
+                           "(no validation)");
       return m;
     });
   };
