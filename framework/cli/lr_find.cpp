@@ -3,6 +3,7 @@
 // when the loss diverges. The suggestion is fastai's default, `valley`.
 #include "lr_find.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <iomanip>
@@ -34,6 +35,14 @@ class LrFinder : public Callback {
     const double p = n_ > 1 ? static_cast<double>(i_) / static_cast<double>(n_ - 1) : 0.0;
     lr_ = start_ * std::pow(end_ / start_, p);
     set_learning_rate(l.optimizer(), lr_);
+  }
+  // A non-finite loss ends the sweep here, before the non-finite check (a higher order) skips
+  // the step and drops the loss.
+  void before_step(Learner& l) override {
+    if (l.loss().defined() && !std::isfinite(l.loss().item<double>())) {
+      diverged = true;
+      l.stop_fit();
+    }
   }
   void after_batch(Learner& l) override {
     if (!l.loss().defined()) return;
@@ -91,12 +100,13 @@ std::string sweep_script(double suggestion) {
 // earlier loss" ends at max_end; the suggestion sits a third plus a sixth of that run's length
 // past its start.
 size_t valley_index(const std::vector<double>& losses) {
-  const size_t n = losses.size();
+  const auto n = static_cast<int64_t>(losses.size());
   if (n < 2) return 0;
-  std::vector<size_t> lds(n, 1);
-  size_t max_start = 0, max_end = 0;
-  for (size_t i = 1; i < n; ++i) {
-    for (size_t j = 0; j < i; ++j) {
+  std::vector<int64_t> lds(static_cast<size_t>(n), 1);
+  // Signed: a run starting at the first point gives max_start = -1, as in fastai's Python.
+  int64_t max_start = 0, max_end = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    for (int64_t j = 0; j < i; ++j) {
       if (losses[i] < losses[j] && lds[i] < lds[j] + 1) lds[i] = lds[j] + 1;
       if (lds[max_end] < lds[i]) {
         max_end = i;
@@ -105,7 +115,8 @@ size_t valley_index(const std::vector<double>& losses) {
     }
   }
   const double sections = static_cast<double>(max_end - max_start) / 3.0;
-  return max_start + static_cast<size_t>(sections) + static_cast<size_t>(sections / 2.0);
+  const int64_t idx = max_start + static_cast<int64_t>(sections) + static_cast<int64_t>(sections / 2.0);
+  return static_cast<size_t>(std::clamp<int64_t>(idx, 0, n - 1));
 }
 
 CLI::App* add_lr_find_command(CLI::App& app, LrFindArgs& a) {
@@ -131,6 +142,10 @@ int run_lr_find(const LrFindArgs& a, spdlog::logger& log) {
   c.run.metrics = c.run.tensorboard = c.run.plots = false;
   c.run.checkpoint_every = c.run.checkpoint_epochs = 0;
   c.run.max_steps = 0;
+  // A sweep diverges on purpose: its end is the finder's to see, not a failure; it keeps no
+  // model and validates nothing.
+  c.run.on_nonfinite = "skip";
+  c.run.save_best = c.run.early_stopping = "off";
   c.run.out_dir = out;
   ensure_writable_dir(out);
   auto learner = make_learner(c);

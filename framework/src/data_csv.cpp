@@ -40,6 +40,11 @@ std::vector<std::string> split_fields(const std::string& line, const std::string
       if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') field += line[++i];
       else if (c == '"') quoted = false;
       else field += c;
+    } else if (was_quoted && c != ',') {
+      // After a closing quote only blanks (and a CRLF file's \r) may come before the comma.
+      if (c != ' ' && c != '\t' && c != '\r')
+        throw_data_error(where + ": '" + std::string(1, c) + "' after the closing quote of field " +
+                         std::to_string(out.size() + 1) + " (a quoted field ends at a comma)");
     } else if (c == '"' && trim_blank(field).empty()) {
       quoted = was_quoted = true;
       field.clear();
@@ -107,6 +112,7 @@ CsvTable read_table(const std::string& path, const CsvSpec& spec) {
   CsvTable t;
   std::string line;
   for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (number == 1 && line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);  // Excel's UTF-8 BOM
     if (trim_blank(line).empty()) continue;
     const std::string where = "'" + path + "':" + std::to_string(number);
     std::vector<std::string> fields = split_fields(line, where);

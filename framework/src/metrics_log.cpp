@@ -173,7 +173,9 @@ void MetricsHistory::open_files(Learner& l) {
       for (const auto& e : fs::directory_iterator(tb))
         if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path());
     events_ = std::make_unique<EventFileWriter>(tb.string());
-    if (resumed) events_->write(session_start_event(now_seconds(), resumed->iteration));
+    // TensorBoard drops the events at steps >= a START's: the rows kept above go up to the
+    // resumed position itself, so the purge starts one past it.
+    if (resumed) events_->write(session_start_event(now_seconds(), resumed->iteration + 1));
   }
 }
 

@@ -13,10 +13,18 @@ namespace frugal {
 std::optional<std::string> first_nonfinite_gradient(const torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
   const auto params = m.named_parameters();
-  std::vector<torch::Tensor> sums;
-  for (const auto& p : params)
-    if (p.value().grad().defined()) sums.push_back(p.value().grad().sum(torch::kDouble));
-  if (sums.empty() || torch::isfinite(torch::stack(sums).sum()).item<bool>()) return std::nullopt;
+  // Each gradient's minimum and maximum (NaN propagates into both, an inf shows in one): one
+  // pass, two scalars, no copy. A sum in double would copy each gradient to double on CPU (the
+  // reduction casts its input first): twice the largest gradient's bytes at the step's peak.
+  std::vector<torch::Tensor> extremes;
+  for (const auto& p : params) {
+    const torch::Tensor& g = p.value().grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    auto mm = torch::aminmax(g);
+    extremes.push_back(std::get<0>(mm).to(torch::kFloat).reshape({1}));
+    extremes.push_back(std::get<1>(mm).to(torch::kFloat).reshape({1}));
+  }
+  if (extremes.empty() || torch::isfinite(torch::cat(extremes)).all().item<bool>()) return std::nullopt;
   for (const auto& p : params) {  // rare: find which one
     const torch::Tensor& g = p.value().grad();
     if (g.defined() && !torch::isfinite(g).all().item<bool>()) return p.key();
@@ -58,10 +66,16 @@ void NonFiniteCheck::before_fit(Learner&) {
 }
 
 void NonFiniteCheck::before_step(Learner& l) {
-  if (l.step_skipped() || l.batch_skipped()) return;  // a callback already dropped this step
+  if (l.batch_skipped()) return;
+  // A step another callback skipped (amp's scaler after an overflow, grad_accum inside a group)
+  // keeps its gradients to itself: amp finds its scale through inf gradients. Its loss is
+  // checked all the same: the loss is taken before any scaling, so an inf or NaN there (a
+  // forward that overflowed) is never the scaler's to fix.
+  const bool skipped_by_another = l.step_skipped();
   NonFiniteEvent e;
   e.loss = l.loss().defined() ? l.loss().item<double>() : 0.0;
-  if (auto p = first_nonfinite_gradient(*l.model())) e.parameter = *p;
+  if (!skipped_by_another)
+    if (auto p = first_nonfinite_gradient(*l.model())) e.parameter = *p;
   const bool bad_here = !std::isfinite(e.loss) || !e.parameter.empty();
   // Data parallel: the gradients are the same on every rank (all-reduced), the losses are not.
   if (!World::get().any(bad_here)) return;
@@ -74,6 +88,9 @@ void NonFiniteCheck::before_step(Learner& l) {
   e.steps = l.steps();
   last_ = e;
   if (mode_ == Mode::Fail) throw Error(e.describe());
+  // A non-finite loss is left out of the epoch's loss, the progress line and the history.
+  if (!std::isfinite(e.loss)) l.loss() = torch::Tensor();
+  if (skipped_by_another) return;
   ++skipped_;
   l.skip_step();
   l.zero_grad();

@@ -51,7 +51,8 @@ constexpr int64_t kChunkBlocks = 32;
 
 /// One chunk (whole blocks but perhaps the last) of a flat float32 tensor into `codes` and
 /// `absmax`, views of the result.
-void quantize_chunk(const Tensor& flat, const Tensor& map, Tensor codes, Tensor absmax) {
+void quantize_chunk(const Tensor& flat, const Tensor& map, Tensor codes, Tensor absmax,
+                    bool keep_positive) {
   const int64_t n = flat.numel(), nb = blocks_of(n);
   const Tensor padded = torch::constant_pad_nd(flat, {0, nb * kBlock - n}).view({nb, kBlock});
   absmax.copy_(padded.abs().amax(1));
@@ -62,11 +63,18 @@ void quantize_chunk(const Tensor& flat, const Tensor& map, Tensor codes, Tensor 
   const Tensor hi = torch::searchsorted(map, normed).clamp_(1, map.numel() - 1);
   const Tensor lo = hi - 1;
   const Tensor take_lo = (normed - map.index_select(0, lo)) <= (map.index_select(0, hi) - normed);
-  codes.copy_(torch::where(take_lo, lo, hi));
+  Tensor nearest = torch::where(take_lo, lo, hi);
+  // The second moment's zero point (Li et al. 2023, "Memory Efficient Optimizers with 4-bit
+  // States"): a positive v read back as 0 makes the next update m / eps. In a block whose
+  // largest gradient is G, every element with |g| < 4e-4 G lands there, while its first moment
+  // (signed map, finer near 0) does not; a unit silent for one batch then moves by ~lr / eps.
+  // Such a v keeps the smallest positive code instead.
+  if (keep_positive) nearest.masked_fill_((normed > 0).logical_and(nearest == 0), 1);
+  codes.copy_(nearest);
 }
 }  // namespace
 
-Quantized quantize(const Tensor& x, const Tensor& map) {
+Quantized quantize(const Tensor& x, const Tensor& map, bool keep_positive) {
   const Tensor flat = x.detach().reshape({-1}).to(torch::kFloat);
   const int64_t n = flat.numel(), chunk = kChunkBlocks * kBlock;
   Quantized q;
@@ -75,7 +83,7 @@ Quantized quantize(const Tensor& x, const Tensor& map) {
   for (int64_t begin = 0; begin < n; begin += chunk) {
     const int64_t len = std::min(chunk, n - begin);
     quantize_chunk(flat.narrow(0, begin, len), map, q.codes.narrow(0, begin, len),
-                   q.absmax.narrow(0, begin / kBlock, blocks_of(len)));
+                   q.absmax.narrow(0, begin / kBlock, blocks_of(len)), keep_positive);
   }
   return q;
 }
@@ -189,6 +197,10 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
   if (!slot) slot = std::make_unique<Adam8bitParamState>();
   auto& s = static_cast<Adam8bitParamState&>(*slot);
   const bool quantized = p.numel() >= quant8::kMinElements;
+  if (map1_.device() != p.device()) {  // the maps live where the parameters do (CUDA)
+    map1_ = map1_.to(p.device());
+    map2_ = map2_.to(p.device());
+  }
   Tensor m, v;
   if (s.step() == 0) {
     m = torch::zeros_like(p, torch::MemoryFormat::Preserve);
@@ -200,17 +212,24 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
     m = s.exp_avg();
     v = s.exp_avg_sq();
   }
-  s.step(s.step() + 1);
+  const int64_t t = s.step() + 1;
   const auto [beta1, beta2] = o.betas();
-  const double bias_correction1 = 1 - std::pow(beta1, s.step());
-  const double bias_correction2 = 1 - std::pow(beta2, s.step());
+  const double bias_correction1 = 1 - std::pow(beta1, t);
+  const double bias_correction2 = 1 - std::pow(beta2, t);
   if (o.weight_decay() != 0) grad = grad.add(p, o.weight_decay());
   m.mul_(beta1).add_(grad, 1 - beta1);
   v.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+  // Quantized before p changes: a failure here (out of memory) leaves p and its state as they
+  // were, so a retried step is not a second one.
+  quant8::Quantized q1, q2;
+  if (quantized) {
+    q1 = quant8::quantize(m, map1_);
+    q2 = quant8::quantize(v, map2_, /*keep_positive=*/true);
+  }
   const Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
   p.addcdiv_(m, denom, -o.lr() / bias_correction1);
+  s.step(t);
   if (quantized) {
-    const quant8::Quantized q1 = quant8::quantize(m, map1_), q2 = quant8::quantize(v, map2_);
     s.exp_avg_codes(q1.codes).exp_avg_absmax(q1.absmax);
     s.exp_avg_sq_codes(q2.codes).exp_avg_sq_absmax(q2.absmax);
   } else {

@@ -118,14 +118,18 @@ std::optional<double> base_momentum(const OptimizerOptions& o) {
 // A constant stage after a scheduled one: the optimizer may still carry the last scheduled lr
 // (the same optimizer continues when the stage has none of its own). Its options hold the base
 // values. Decided from the stages alone, so a resumed fit does the same.
+// A stage after a scheduled one starts from its optimizer's own values: a constant stage keeps
+// its lr (the others set theirs each batch), and a stage that does not cycle momentum gets the
+// optimizer's back (one_cycle's last momentum would otherwise stay).
 void ScheduleCallback::before_stage(Learner& l) {
-  if (l.stage().schedule.name != "constant") return;
   bool after_scheduled = false;
   for (int64_t i = 0; i < l.stage_index(); ++i)
     after_scheduled = after_scheduled || l.stages()[static_cast<size_t>(i)].schedule.name != "constant";
   if (!after_scheduled) return;
-  set_learning_rate(l.optimizer(), l.optimizer_options().lr);
-  if (auto m = base_momentum(l.optimizer_options())) set_momentum(l.optimizer(), *m);
+  const ScheduleOptions& s = l.stage().schedule;
+  if (s.name == "constant") set_learning_rate(l.optimizer(), l.optimizer_options().lr);
+  if (!schedule_momentum(s, 0, 1))
+    if (auto m = base_momentum(l.optimizer_options())) set_momentum(l.optimizer(), *m);
 }
 
 void ScheduleCallback::before_batch(Learner& l) {

@@ -1,6 +1,7 @@
 // step_in_backward: the optimizer step of each parameter from its AccumulateGrad post hook.
 #include "step_in_backward.h"
 
+#include <cmath>
 #include <utility>
 
 #include <torch/csrc/autograd/function.h>
@@ -88,7 +89,10 @@ void StepInBackward::before_backward(frugal::Learner& l) {
                "batch that steps steps in backward",
                l.batch_index());
   }
-  armed_ = last_micro && !l.step_skipped() && !l.batch_skipped();
+  // A non-finite loss is not stepped in backward: its gradients are kept for the step, where
+  // the non-finite check (run.on_nonfinite) stops the run or skips the step. One sync per batch.
+  const bool finite_loss = !l.loss().defined() || std::isfinite(l.loss().item<double>());
+  armed_ = last_micro && !l.step_skipped() && !l.batch_skipped() && finite_loss;
   learner_ = &l;
   stepped_in_backward_ = 0;
 }
@@ -97,10 +101,8 @@ void StepInBackward::after_backward(frugal::Learner&) { armed_ = false; }
 
 void StepInBackward::on_ready(const torch::Tensor& p) {
   if (!armed_ || !learner_ || !p.grad().defined()) return;
-  if (step_one(learner_->optimizer(), p)) {
-    ++stepped_in_backward_;
-    ++stepped_total_;
-  }
+  ++stepped_in_backward_;  // before the step: one that fails part-way has touched the state
+  if (step_one(learner_->optimizer(), p)) ++stepped_total_;
   // Freed whether stepped or not: a parameter no optimizer group holds is not trained.
   torch::Tensor(p).mutable_grad().reset();
 }

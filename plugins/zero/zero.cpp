@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <typeinfo>
 
 #include <frugal/compat.h>
 #include <frugal/data_parallel.h>
@@ -201,6 +202,11 @@ void Zero::shard_optimizer(frugal::Learner& l) {
     if (owners_[i] == World::get().rank()) mine.push_back(params[i]);
   const frugal::OptimizerOptions o = l.optimizer_options();
   auto sharded = frugal::make_optimizer(o, mine);
+  // The lr and momentum the schedule set for this batch, not the configured ones.
+  auto& groups = l.optimizer().param_groups();
+  if (!groups.empty() && !sharded->param_groups().empty() &&
+      typeid(groups[0].options()) == typeid(sharded->param_groups()[0].options()))
+    sharded->param_groups()[0].set_options(groups[0].options().clone());
   auto& old = l.optimizer().state();
   for (const auto& p : mine) {
     auto it = old.find(frugal::compat::optimizer_state_key(p));
@@ -265,7 +271,7 @@ void Zero::save_state(torch::serialize::OutputArchive& a) const {
   a.write("owners", torch::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())));
 }
 
-void Zero::load_state(frugal::Learner&, torch::serialize::InputArchive& a) {
+void Zero::load_state(frugal::Learner& l, torch::serialize::InputArchive& a) {
   torch::Tensor saved;
   if (!a.try_read("owners", saved)) {
     if (active())
@@ -281,6 +287,9 @@ void Zero::load_state(frugal::Learner&, torch::serialize::InputArchive& a) {
         "the checkpoint's optimizer shards were cut for another model or world size (its "
         "parameters' owners differ from this run's): resume with the model and the number of "
         "ranks it was written with");
+  // optim_swap (a lower order) loads first and may have put a full, unsharded optimizer back:
+  // the checkpoint's shard must load into this rank's share.
+  before_stage(l);
 }
 
 }  // namespace frugal::zero

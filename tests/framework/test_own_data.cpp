@@ -192,6 +192,10 @@ TEST(Csv, ClassificationStandardizesWithTheTrainingStatistics) {
   EXPECT_EQ(v.labels[0].item<int64_t>(), 1);
   EXPECT_EQ(csv_shape(dir.file("train.csv"), spec).classes, 3);
   EXPECT_EQ(csv_shape(dir.file("train.csv"), spec).rows, 4);
+  // Excel's "CSV UTF-8": a byte-order mark before the header, CRLF after quoted fields.
+  write_text(dir.file("excel.csv"), "\xEF\xBB\xBF\"a\",\"kind\"\r\n1,\"cat\"\r\n2,\"dog\" \r\n");
+  const Dataset e = load_csv(dir.file("excel.csv"), CsvSpec{"kind", false}, dir.file("excel.csv"));
+  EXPECT_EQ(e.classes, (std::vector<std::string>{"cat", "dog"}));
 }
 
 TEST(Csv, ErrorsNameFileLineAndColumn) {
@@ -210,6 +214,11 @@ TEST(Csv, ErrorsNameFileLineAndColumn) {
   EXPECT_NE(msg.find("'" + f + "':3: column 3 ('label'): 'nan' is not a finite number (a regression target)"),
             std::string::npos) << msg;
 
+  write_text(f, "x,y,label\n1,\"2\"x,a\n");
+  msg = data_error([&] { load_csv(f, {}, f); });
+  EXPECT_NE(msg.find("'" + f + "':2: 'x' after the closing quote of field 2"), std::string::npos) << msg;
+
+  write_text(f, "x,y,label\n1,2,3.5\n1,2,nan\n");
   msg = data_error([&] { load_csv(f, {"target", true}, f); });
   EXPECT_NE(msg.find("no column 'target' (data.label_column)"), std::string::npos) << msg;
 

@@ -59,7 +59,10 @@ int nearest(float v, const std::vector<float>& map) {
 
 /// x quantized block by block and back: each block of 2048 divided by its absolute maximum,
 /// each element the nearest code times that maximum.
-std::vector<float> quantize_dequantize(const std::vector<float>& x, const std::vector<float>& map) {
+/// keep_positive: a positive element whose nearest code is 0 gets the smallest positive code
+/// (adam8bit's second moment: no zero point).
+std::vector<float> quantize_dequantize(const std::vector<float>& x, const std::vector<float>& map,
+                                       bool keep_positive = false) {
   std::vector<float> out(x.size());
   for (size_t b = 0; b < x.size(); b += 2048) {
     const size_t e = std::min(x.size(), b + 2048);
@@ -67,7 +70,9 @@ std::vector<float> quantize_dequantize(const std::vector<float>& x, const std::v
     for (size_t i = b; i < e; ++i) absmax = std::max(absmax, std::fabs(x[i]));
     for (size_t i = b; i < e; ++i) {
       const float normed = absmax > 0 ? x[i] / absmax : 0.0f;
-      out[i] = map[nearest(normed, map)] * absmax;
+      int code = nearest(normed, map);
+      if (keep_positive && normed > 0 && map[code] == 0.0f) ++code;
+      out[i] = map[code] * absmax;
     }
   }
   return out;
@@ -126,7 +131,7 @@ Vec reference_adam8bit(Vec p, const std::vector<Vec>& gs, double lr, double b1, 
     }
     if (quantized) {
       m = quantize_dequantize(m, map1);
-      v = quantize_dequantize(v, map2);
+      v = quantize_dequantize(v, map2, /*keep_positive=*/true);
     }
   }
   return p;
@@ -158,6 +163,22 @@ TEST(Adam8bit, StepsMatchAdamWithQuantizedMomentsComputedElementByElement) {
     for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - expected[i]));
     EXPECT_LE(worst, 1e-6) << p.numel() << " elements";
   }
+}
+
+// The zero point: one large gradient in a block and small ones beside it, then a batch in
+// which the small ones get no gradient at all (a ReLU unit silent for a batch). With v read
+// back as 0 the second step would move them by lr * m / eps (~0.5 here, 500x Adam's step).
+TEST(Adam8bit, ASecondMomentNeverReadsBackAsZeroSoASilentStepStaysSmall) {
+  torch::Tensor p = torch::zeros({4096}).requires_grad_();
+  torch::Tensor g1 = torch::full({4096}, 1e-4);
+  g1[0] = 1.0;
+  const double lr = 1e-3;
+  Adam8bit opt({p}, Adam8bitOptions(lr));
+  run(opt, p, {g1});
+  const torch::Tensor before = p.detach().clone();
+  run(opt, p, {torch::zeros({4096})});
+  const double moved = (p.detach() - before).abs().max().item<double>();
+  EXPECT_LE(moved, 5 * lr) << "a parameter moved " << moved << " on a step without gradient";
 }
 
 TEST(Adam8bit, UnderFourThousandElementsItIsTorchsAdamExactly) {

@@ -31,7 +31,9 @@ struct Quantized {
 };
 /// Each block of `x` (flattened) divided by its absolute maximum, each element replaced by the
 /// index of the nearest code in `map` (the lower code on a tie).
-Quantized quantize(const torch::Tensor& x, const torch::Tensor& map);
+/// keep_positive: a positive element never gets the zero code (the second moment's: see
+/// optim_adam8bit.cpp), it gets the smallest positive one.
+Quantized quantize(const torch::Tensor& x, const torch::Tensor& map, bool keep_positive = false);
 /// The float32 tensor (flat, `q.codes.numel()` elements) `q` stands for: map[code] x absmax.
 torch::Tensor dequantize(const Quantized& q, const torch::Tensor& map);
 }  // namespace quant8
