@@ -4,6 +4,7 @@
 // a matrix, rather than over its last two dimensions (a conv kernel's 3 x 3).
 #include "frugal/adafactor.h"
 #include "frugal/compat.h"
+#include "optim_step.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -115,18 +116,8 @@ int64_t Adafactor::state_bytes(torch::IntArrayRef shape, bool momentum) {
 }
 
 torch::Tensor Adafactor::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  Tensor loss = {};
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  for (auto& group : param_groups_) {
-    const auto& o = static_cast<const AdafactorOptions&>(group.options());
-    for (auto& p : group.params())
-      if (p.grad().defined()) step_one(p, o);
-  }
-  return loss;
+  return step_each_parameter<AdafactorOptions>(param_groups_, closure,
+                                    [this](Tensor& p, const AdafactorOptions& o) { step_one(p, o); });
 }
 
 void Adafactor::step_one(Tensor& p, const AdafactorOptions& o) {

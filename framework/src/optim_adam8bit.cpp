@@ -2,6 +2,7 @@
 // (bitsandbytes' dynamic maps and block size), float32 for parameters under 4096 elements.
 #include "frugal/adam8bit.h"
 #include "frugal/compat.h"
+#include "optim_step.h"
 
 #include <algorithm>
 #include <cmath>
@@ -174,18 +175,8 @@ int64_t Adam8bit::state_bytes(int64_t numel) {
 }
 
 torch::Tensor Adam8bit::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  Tensor loss = {};
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  for (auto& group : param_groups_) {
-    const auto& o = static_cast<const Adam8bitOptions&>(group.options());
-    for (auto& p : group.params())
-      if (p.grad().defined()) step_one(p, o);
-  }
-  return loss;
+  return step_each_parameter<Adam8bitOptions>(param_groups_, closure,
+                                    [this](Tensor& p, const Adam8bitOptions& o) { step_one(p, o); });
 }
 
 // torch::optim::Adam's step (LibTorch 1.13's arithmetic, op for op) on float32 moments that
