@@ -113,6 +113,8 @@ ImageFolderListing list_image_folder(const std::string& dir, const std::vector<s
                      "PNG/JPEG files per class (" + dir + "/cat/1.png, " + dir + "/dog/2.jpg, ...)");
   ImageFolderListing l;
   l.classes = classes.empty() ? folders : classes;
+  std::vector<std::vector<std::string>> per_class;
+  std::vector<int64_t> label_of;
   for (const auto& name : folders) {
     const auto it = std::find(l.classes.begin(), l.classes.end(), name);
     if (it == l.classes.end())
@@ -124,9 +126,18 @@ ImageFolderListing list_image_folder(const std::string& dir, const std::vector<s
     if (files.empty())
       throw_data_error("image_folder: class folder '" + folder.string() +
                        "' holds no PNG or JPEG file (.png, .jpg, .jpeg)");
-    for (auto& f : files) {
-      l.files.push_back(std::move(f));
-      l.labels.push_back(it - l.classes.begin());
+    per_class.push_back(std::move(files));
+    label_of.push_back(it - l.classes.begin());
+  }
+  // The classes take turns (each one's files in name order), so the first n files, what
+  // data.train_samples / valid_samples keep, hold every class, not the first few.
+  for (size_t turn = 0, left = 1; left > 0; ++turn) {
+    left = 0;
+    for (size_t c = 0; c < per_class.size(); ++c) {
+      if (turn >= per_class[c].size()) continue;
+      l.files.push_back(std::move(per_class[c][turn]));
+      l.labels.push_back(label_of[c]);
+      ++left;
     }
   }
   return l;

@@ -1,5 +1,6 @@
 #include "frugal/model_export.h"
 
+#include <cstdio>
 #include <filesystem>
 
 #include "archive.h"
@@ -52,7 +53,9 @@ void SaveBest::after_validate(Learner& l) {
              {"stage_name", l.stage().name}, {"epoch", l.epoch() + 1}, {"steps", l.steps()},
              {"validation", validations_}, {"pt", path_}, {"safetensors", st}};
   auto metadata = metadata_;
-  metadata["frugal.best." + monitor_.metric()] = std::to_string(v);
+  char value[32];  // every digit: an MSE of 1e-7 is not "0.000000"
+  std::snprintf(value, sizeof value, "%.17g", v);
+  metadata["frugal.best." + monitor_.metric()] = value;
   metadata["frugal.best.steps"] = std::to_string(l.steps());
   export_weights(l, path_, metadata);
 }

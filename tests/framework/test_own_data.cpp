@@ -90,8 +90,12 @@ TEST(ImageFolder, DecodesResizesAndLabelsBySortedSubfolders) {
   EXPECT_EQ(d.num_classes, 3);
   ASSERT_EQ(d.images.sizes(), torch::IntArrayRef({4, 3, 4, 4}));
   EXPECT_EQ(d.images.scalar_type(), torch::kUInt8);
-  // Files in class order, then name order: ant/c.png, moth/p.png, zebra/a.png, zebra/b.JPG.
+  // The classes take turns, each in name order: ant/c.png, moth/p.png, zebra/a.png, zebra/b.JPG.
   EXPECT_TRUE(torch::equal(d.labels, torch::tensor({0, 1, 2, 2}, torch::kLong)));
+  // So the first n files (data.train_samples = n) hold every class, not the first ones.
+  for (const char* f : {"turns/a/1.png", "turns/a/2.png", "turns/b/1.png", "turns/b/2.png"})
+    write_solid(dir.file(f), 2, 2, {1, 2, 3}, false);
+  EXPECT_EQ(list_image_folder(dir.file("turns")).labels, (std::vector<int64_t>{0, 1, 0, 1}));
   const auto channel = [&](int64_t i, int64_t c) { return d.images[i][c].to(torch::kInt); };
   // A solid PNG resized stays its colour (to a rounding step); JPEG to a few levels.
   for (int c = 0; c < 3; ++c) {
