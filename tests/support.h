@@ -1,6 +1,7 @@
 #pragma once
 // Shared test helpers: a seeding fixture (as LibTorch's test/cpp/api/support.h) and a
 // temporary directory that removes itself.
+#include <exception>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -9,6 +10,18 @@
 #include <torch/torch.h>
 
 namespace frugal::test {
+
+/// Runs `f` and returns the message of the E it throws ("" when nothing was thrown; another
+/// exception type propagates and fails the test).
+template <class E = std::exception, class Fn>
+std::string message_of(Fn&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
 
 class Seeded : public ::testing::Test {
  protected:

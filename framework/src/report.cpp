@@ -231,6 +231,20 @@ void safety_lines(std::ostream& md, const nlohmann::json& r) {
        << " steps): `" << b.value("pt", "") << "`, `" << b.value("safetensors", "") << "`.\n\n";
   }
 }
+
+// What holds the memory in each stage's steady state (its third batch).
+void steady_table(std::ostringstream& md, const nlohmann::json& fit) {
+  md << "\nSteady state (a stage's third batch): what holds the memory\n\n";
+  md << "| stage | parameters | gradients | optimizer state | activations | data | held by callbacks | other |\n";
+  md << "|---|---|---|---|---|---|---|---|\n";
+  for (const auto& s : fit["stages"]) {
+    const auto& b = s["steady"];
+    md << "| " << s["name"].get<std::string>();
+    for (const char* k : {"parameters", "gradients", "optimizer_state", "activations", "data", "callbacks", "other"})
+      md << " | " << format_bytes(get_i(b, k));
+    md << " |\n";
+  }
+}
 }  // namespace
 
 std::string report_markdown(const nlohmann::json& r) {
@@ -259,16 +273,7 @@ std::string report_markdown(const nlohmann::json& r) {
 
   const bool lm = fit.value("task", "") == "language_model";
   stage_table(md, fit, lm);
-  md << "\nSteady state (a stage's third batch): what holds the memory\n\n";
-  md << "| stage | parameters | gradients | optimizer state | activations | data | held by callbacks | other |\n";
-  md << "|---|---|---|---|---|---|---|---|\n";
-  for (const auto& s : fit["stages"]) {
-    const auto& b = s["steady"];
-    md << "| " << s["name"].get<std::string>() << " | " << format_bytes(get_i(b, "parameters")) << " | "
-       << format_bytes(get_i(b, "gradients")) << " | " << format_bytes(get_i(b, "optimizer_state"))
-       << " | " << format_bytes(get_i(b, "activations")) << " | " << format_bytes(get_i(b, "data"))
-       << " | " << format_bytes(get_i(b, "callbacks")) << " | " << format_bytes(get_i(b, "other")) << " |\n";
-  }
+  steady_table(md, fit);
   md << "\nPeak live memory " << format_bytes(get_i(fit, "peak_bytes"));
   if (r.contains("reserved_peak_bytes"))
     md << " (the allocator held at most " << format_bytes(get_i(r, "reserved_peak_bytes")) << ")";

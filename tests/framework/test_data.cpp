@@ -15,15 +15,9 @@ namespace {
 
 using test::TempDir;
 
-/// Runs `f` and returns the DataError's message ("" when nothing was thrown).
 template <class Fn>
 std::string data_error(Fn&& f) {
-  try {
-    f();
-  } catch (const DataError& e) {
-    return e.what();
-  }
-  return "";
+  return test::message_of<DataError>(std::forward<Fn>(f));
 }
 
 void write_bytes(const std::string& path, const std::vector<unsigned char>& bytes) {

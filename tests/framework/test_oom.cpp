@@ -6,6 +6,7 @@
 #include "frugal/plugin_host.h"
 #include "frugal/run.h"
 #include "learner_fixture.h"
+#include "support.h"
 
 namespace frugal::test {
 namespace {
@@ -64,14 +65,7 @@ int64_t budget_for(const TinySetup& s, double share, int64_t micro = 0) {
   return floor.peak + static_cast<int64_t>(share * static_cast<double>(whole.peak - floor.peak));
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::message_of;
 
 TEST(OomBudget, AllocationPastTheBudgetThrowsOutOfMemoryAndLeavesLiveBytes) {
   MemoryMeter& mm = MemoryMeter::get();

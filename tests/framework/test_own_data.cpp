@@ -40,12 +40,7 @@ using test::TempDir;
 
 template <class Fn>
 std::string data_error(Fn&& f) {
-  try {
-    f();
-  } catch (const DataError& e) {
-    return e.what();
-  }
-  return "";
+  return test::message_of<DataError>(std::forward<Fn>(f));
 }
 
 template <class Fn>

@@ -55,14 +55,7 @@ bool all_finite(torch::nn::Module& m) {
   return true;
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::message_of;
 
 TEST(NonFinite, FirstNonFiniteGradientNamesTheParameterAndIgnoresFiniteOverflow) {
   auto l = make_tiny_learner();
