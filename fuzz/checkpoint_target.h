@@ -14,8 +14,8 @@
 #include <string>
 #include <typeinfo>
 
-#include "archive.h"
-#include "file_seal.h"
+#include "io/archive.h"
+#include "io/file_seal.h"
 #include "fuzz_support.h"
 
 namespace frugal::fuzz {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "frugal/config.h"
-#include "frugal/error.h"
+#include "frugal/base/error.h"
+#include "frugal/config/config.h"
 #include "fuzz_support.h"
 
 namespace {

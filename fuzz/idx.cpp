@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <string>
 
-#include "frugal/data.h"
-#include "frugal/error.h"
+#include "frugal/base/error.h"
+#include "frugal/data/data.h"
 #include "fuzz_support.h"
 
 namespace {

@@ -3,8 +3,8 @@
 #include <memory>
 #include <string>
 
+#include "frugal/data/task.h"
 #include "frugal/frugal.h"
-#include "frugal/task.h"
 
 namespace frugal::test {
 

@@ -2,7 +2,7 @@
 // meter counts every allocation the tests make.
 #include <gtest/gtest.h>
 
-#include "frugal/memory.h"
+#include "frugal/memory/memory.h"
 
 int main(int argc, char** argv) {
   frugal::MemoryMeter::install();

@@ -14,9 +14,9 @@
 #include <sstream>
 
 #include "ablation.h"
-#include "frugal/error.h"
-#include "frugal/memory.h"
-#include "frugal/report.h"
+#include "frugal/base/error.h"
+#include "frugal/io/file_writer.h"
+#include "frugal/memory/memory.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;

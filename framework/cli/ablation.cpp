@@ -16,10 +16,10 @@
 #include <sstream>
 #include <thread>
 
-#include "frugal/compat.h"
-#include "frugal/error.h"
-#include "frugal/plugin_host.h"
-#include "frugal/run.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/run.h"
+#include "frugal/base/compat.h"
+#include "frugal/base/error.h"
 
 namespace fs = std::filesystem;
 

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/logger.h>
 
-#include "frugal/config.h"
+#include "frugal/config/config.h"
 
 namespace frugal::cli {
 

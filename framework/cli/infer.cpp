@@ -3,13 +3,13 @@
 
 #include <iostream>
 
-#include "frugal/data.h"
-#include "frugal/error.h"
-#include "frugal/generate.h"
-#include "frugal/model_export.h"
-#include "frugal/registry.h"
-#include "frugal/run.h"
-#include "frugal/task.h"
+#include "frugal/app/model_export.h"
+#include "frugal/app/run.h"
+#include "frugal/base/error.h"
+#include "frugal/data/data.h"
+#include "frugal/data/task.h"
+#include "frugal/models/generate.h"
+#include "frugal/models/registry.h"
 
 namespace frugal::cli {
 

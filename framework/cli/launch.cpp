@@ -17,8 +17,8 @@
 #include <set>
 #include <thread>
 
-#include "frugal/error.h"
-#include "frugal/stop.h"
+#include "frugal/base/error.h"
+#include "frugal/callbacks/stop.h"
 
 namespace frugal::cli {
 

@@ -10,13 +10,13 @@
 #include <iostream>
 #include <sstream>
 
-#include "frugal/error.h"
-#include "frugal/learner.h"
-#include "frugal/metrics_log.h"
-#include "frugal/plugin_host.h"
-#include "frugal/report.h"
-#include "frugal/run.h"
-#include "frugal/schedule.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/run.h"
+#include "frugal/base/error.h"
+#include "frugal/callbacks/metrics_log.h"
+#include "frugal/callbacks/schedule.h"
+#include "frugal/core/learner.h"
+#include "frugal/io/file_writer.h"
 
 namespace frugal::cli {
 

@@ -17,11 +17,11 @@
 #include "infer.h"
 #include "lr_find.h"
 #include "train.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/preflight.h"
+#include "frugal/app/run.h"
+#include "frugal/callbacks/progress.h"
 #include "frugal/frugal.h"
-#include "frugal/plugin_host.h"
-#include "frugal/preflight.h"
-#include "frugal/progress.h"
-#include "frugal/run.h"
 
 namespace {
 

@@ -10,15 +10,18 @@
 #include <iostream>
 #include <optional>
 
-#include "frugal/data_parallel.h"
-#include "frugal/distributed.h"
+#include <spdlog/spdlog.h>
+
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/preflight.h"
+#include "frugal/app/run.h"
+#include "frugal/callbacks/progress.h"
+#include "frugal/callbacks/stop.h"
+#include "frugal/distributed/data_parallel.h"
+#include "frugal/distributed/distributed.h"
 #include "frugal/frugal.h"
-#include "frugal/plugin_host.h"
-#include "frugal/preflight.h"
-#include "frugal/progress.h"
-#include "frugal/run.h"
-#include "frugal/run_folder.h"
-#include "frugal/stop.h"
+#include "frugal/io/file_writer.h"
+#include "frugal/io/run_folder.h"
 
 namespace fs = std::filesystem;
 

@@ -6,9 +6,9 @@
 #include <map>
 #include <stdexcept>
 
-#include <frugal/compat.h>
-#include <frugal/distributed.h>
-#include <frugal/error.h>
+#include <frugal/base/compat.h>
+#include <frugal/distributed/distributed.h>
+#include <frugal/base/error.h>
 
 namespace frugal::amp {
 
@@ -138,14 +138,14 @@ void Amp::after_loss(frugal::Learner& l) {
 }
 
 void Amp::after_backward(frugal::Learner& l) {
-  if (!use_scaler_ || l.step_skipped() || l.micro_index() + 1 < l.micro_count()) return;
+  if (!use_scaler_ || !l.completes_step()) return;
   std::vector<torch::Tensor> grads;
   for (const auto& p : l.model()->parameters())
     if (p.grad().defined()) grads.push_back(p.grad());
   const double scale = scaler_.scale();
   // Every rank must skip the same steps: with gradients sharded across data-parallel ranks
   // (plugins.zero stage 2) each rank sees only its own share, so the verdict is the ranks' any.
-  const bool found_inf = frugal::World::get().any(scaler_.unscale(grads));
+  const bool found_inf = l.collective().any(scaler_.unscale(grads));
   scaler_.update(found_inf);
   if (found_inf) {
     l.skip_step();

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
 

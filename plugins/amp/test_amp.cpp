@@ -6,7 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "amp.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {
@@ -253,7 +253,7 @@ TEST(AmpWithGradAccum, UnscalesOncePerOptimizerStep) {
 
 /// Throws at the n-th batch: a run that dies mid accumulation group.
 struct Crash : Callback {
-  explicit Crash(int64_t at) : at(at) {}
+  explicit Crash(int64_t batch) : at(batch) {}
   std::string name() const override { return "crash"; }
   void before_batch(Learner& l) override {
     if (l.iteration() == at) throw std::runtime_error("killed");

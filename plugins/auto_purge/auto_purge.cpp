@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <filesystem>
 
-#include <frugal/error.h>
-#include <frugal/memory.h>
+#include <frugal/base/error.h>
+#include <frugal/memory/memory.h>
 
 namespace frugal::auto_purge {
 

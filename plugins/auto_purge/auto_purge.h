@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 
 namespace frugal::auto_purge {

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "auto_purge.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
 

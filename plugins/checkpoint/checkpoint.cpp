@@ -8,9 +8,9 @@
 #include <utility>
 
 #include <ATen/core/ivalue.h>
-#include <frugal/compat.h>
-#include <frugal/error.h>
-#include <frugal/rng.h>
+#include <frugal/base/compat.h>
+#include <frugal/base/error.h>
+#include <frugal/base/rng.h>
 
 namespace frugal::checkpoint {
 

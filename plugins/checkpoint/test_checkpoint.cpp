@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "checkpoint.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include <frugal/error.h>
-#include <frugal/memory.h>
+#include <frugal/base/error.h>
+#include <frugal/memory/memory.h>
 
 namespace frugal::detach_loss {
 

@@ -7,7 +7,7 @@
 
 #include "../checkpoint/checkpoint.h"
 #include "detach_loss.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {
@@ -208,7 +208,7 @@ TEST(DetachLossWatch, WarnsInAFitWithTheBytesPerBatchAndTheHolder) {
 }
 
 TEST(DetachLossPlugin, LaterCallbacksSeeDetachedTensorsAndTrainingIsUnchanged) {
-  struct Probe : Callback {
+  struct GradProbe : Callback {
     std::string name() const override { return "probe"; }
     void before_fit(Learner& l) override { l.keep_pred(); }  // the loop drops it otherwise
     void after_backward(Learner& l) override {
@@ -219,7 +219,7 @@ TEST(DetachLossPlugin, LaterCallbacksSeeDetachedTensorsAndTrainingIsUnchanged) {
   std::vector<torch::Tensor> with_plugin;
   {
     auto l = make_tiny_learner();
-    auto probe = std::make_shared<Probe>();
+    auto probe = std::make_shared<GradProbe>();
     l->add_callback(probe);
     std::ostringstream log;
     l->add_callback(make_plugin(log));
@@ -229,7 +229,7 @@ TEST(DetachLossPlugin, LaterCallbacksSeeDetachedTensorsAndTrainingIsUnchanged) {
     with_plugin = clone_params(*l->model());
   }
   auto l = make_tiny_learner();
-  auto probe = std::make_shared<Probe>();
+  auto probe = std::make_shared<GradProbe>();
   l->add_callback(probe);
   torch::manual_seed(3);
   l->fit(2);

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 
 namespace frugal::grad_accum {

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "grad_accum.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {

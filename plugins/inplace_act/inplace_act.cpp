@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include <frugal/error.h>
-#include <frugal/memory.h>
-#include <frugal/rng.h>
+#include <frugal/base/error.h>
+#include <frugal/memory/memory.h>
+#include <frugal/base/rng.h>
 
 namespace frugal::inplace_act {
 

@@ -6,7 +6,7 @@
 #include <spdlog/sinks/ostream_sink.h>
 
 #include "inplace_act.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {

@@ -3,9 +3,9 @@
 
 #include <algorithm>
 
-#include <frugal/compat.h>
-#include <frugal/error.h>
-#include <frugal/memory.h>
+#include <frugal/base/compat.h>
+#include <frugal/base/error.h>
+#include <frugal/memory/memory.h>
 
 namespace frugal::optim_swap {
 

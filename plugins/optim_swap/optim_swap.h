@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
 

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "optim_swap.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
 

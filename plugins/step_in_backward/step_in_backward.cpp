@@ -81,8 +81,7 @@ void StepInBackward::before_backward(frugal::Learner& l) {
         "loss is scaled (x" + std::to_string(l.loss_scale()) +
         "): a loss scaler (amp with float16) must check every gradient for inf/NaN before any "
         "step. Use [plugins.amp] dtype = \"bfloat16\" (no scaler), or turn step_in_backward off");
-  const bool last_micro = l.micro_index() + 1 >= l.micro_count();
-  if (l.step_skipped() && last_micro && !warned_skip_) {
+  if (l.step_skipped() && l.micro_index() + 1 >= l.micro_count() && !warned_skip_) {
     warned_skip_ = true;
     log_->warn("a callback skipped the step of batch {} (gradient accumulation over batches): "
                "such batches keep their gradients whole, as without step_in_backward; only a "
@@ -92,7 +91,7 @@ void StepInBackward::before_backward(frugal::Learner& l) {
   // A non-finite loss is not stepped in backward: its gradients are kept for the step, where
   // the non-finite check (run.on_nonfinite) stops the run or skips the step. One sync per batch.
   const bool finite_loss = !l.loss().defined() || std::isfinite(l.loss().item<double>());
-  armed_ = last_micro && !l.step_skipped() && !l.batch_skipped() && finite_loss;
+  armed_ = l.completes_step() && !l.batch_skipped() && finite_loss;
   learner_ = &l;
   stepped_in_backward_ = 0;
 }
@@ -107,17 +106,15 @@ void StepInBackward::on_ready(const torch::Tensor& p) {
   torch::Tensor(p).mutable_grad().reset();
 }
 
-void StepInBackward::release_caches(frugal::Learner&) {
-  const bool broken = armed_ && stepped_in_backward_ > 0;
-  armed_ = false;
-  if (broken)
-    throw std::runtime_error(
-        "step_in_backward: out of memory in a backward that had already stepped " +
-        std::to_string(stepped_in_backward_) +
-        " parameters; the batch cannot be retried (it would step them twice). Lower "
-        "data.batch_size or set a smaller micro-batch (the gradients' memory is freed as each "
-        "parameter steps, so the rest is activations)");
+std::string StepInBackward::retry_veto(const frugal::Learner&) const {
+  if (!armed_ || stepped_in_backward_ == 0) return {};
+  return "the failed backward had already stepped " + std::to_string(stepped_in_backward_) +
+         " parameters; a retry would step them twice. Lower data.batch_size or set a smaller "
+         "micro-batch (the gradients' memory is freed as each parameter steps, so the rest is "
+         "activations)";
 }
+
+void StepInBackward::release_caches(frugal::Learner&) { armed_ = false; }
 
 void StepInBackward::after_fit(frugal::Learner&) {
   hooks_.remove();

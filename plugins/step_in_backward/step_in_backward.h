@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
 
@@ -70,6 +70,7 @@ class StepInBackward : public frugal::Callback {
   /// An out-of-memory error in a backward that has stepped parameters cannot be retried (the
   /// batch would step them twice): stops the fit with an error saying so.
   void release_caches(frugal::Learner& l) override;
+  std::string retry_veto(const frugal::Learner& l) const override;
   void after_fit(frugal::Learner& l) override;
 
   int64_t parameters_stepped() const { return stepped_total_; }  ///< in backward, this fit

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
-#include "frugal/learner.h"
-#include "frugal/safetensors.h"
+#include "frugal/core/learner.h"
+#include "frugal/io/safetensors.h"
 #include "support.h"
 #include "zero.h"
 

@@ -6,12 +6,12 @@
 #include <numeric>
 #include <typeinfo>
 
-#include <frugal/compat.h>
-#include <frugal/data_parallel.h>
-#include <frugal/distributed.h>
-#include <frugal/error.h>
-#include <frugal/memory.h>
-#include <frugal/optimizers.h>
+#include <frugal/base/compat.h>
+#include <frugal/distributed/data_parallel.h>
+#include <frugal/distributed/distributed.h>
+#include <frugal/base/error.h>
+#include <frugal/memory/memory.h>
+#include <frugal/optim/optimizers.h>
 
 namespace frugal::zero {
 
@@ -216,21 +216,18 @@ void Zero::shard_optimizer(frugal::Learner& l) {
   changes_ = l.optimizer_changes();
 }
 
-void Zero::before_stage(frugal::Learner& l) {
-  if (active() && l.optimizer_changes() != changes_) shard_optimizer(l);
+void Zero::optimizer_replaced(frugal::Learner& l) {
+  if (active() && l.optimizer_changes() != changes_) shard_optimizer(l);  // not its own shard
 }
-
-void Zero::before_batch(frugal::Learner& l) { before_stage(l); }
 
 void Zero::after_backward(frugal::Learner& l) {
   if (!active() || o_.stage != 2) return;
-  if (l.step_skipped() || l.micro_index() + 1 < l.micro_count()) return;  // as data_parallel
+  if (!l.completes_step()) return;
   reduced_ += reduce_to_owners(l.model()->parameters(), owners_, bucket_bytes_);
 }
 
 void Zero::before_step(frugal::Learner& l) {
   if (!active()) return;
-  before_stage(l);  // a callback that replaced the optimizer since before_batch
   step_gradients_ = std::max(step_gradients_, frugal::gradient_bytes(*l.model()));
 }
 
@@ -271,7 +268,7 @@ void Zero::save_state(torch::serialize::OutputArchive& a) const {
   a.write("owners", torch::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())));
 }
 
-void Zero::load_state(frugal::Learner& l, torch::serialize::InputArchive& a) {
+void Zero::load_state(frugal::Learner&, torch::serialize::InputArchive& a) {
   torch::Tensor saved;
   if (!a.try_read("owners", saved)) {
     if (active())
@@ -287,9 +284,8 @@ void Zero::load_state(frugal::Learner& l, torch::serialize::InputArchive& a) {
         "the checkpoint's optimizer shards were cut for another model or world size (its "
         "parameters' owners differ from this run's): resume with the model and the number of "
         "ranks it was written with");
-  // optim_swap (a lower order) loads first and may have put a full, unsharded optimizer back:
-  // the checkpoint's shard must load into this rank's share.
-  before_stage(l);
+  // optim_swap (a lower order) loads first and may put a full, unsharded optimizer back: the
+  // Learner announces it (optimizer_replaced) before the checkpoint's shard loads into it.
 }
 
 }  // namespace frugal::zero

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
 
@@ -72,10 +72,9 @@ class Zero : public frugal::Callback {
   /// the optimizer state per rank (checkpoints) and, in stage 2, takes the gradient sync over
   /// from data_parallel. A no-op (with a warning) in one process.
   void before_fit(frugal::Learner& l) override;
-  /// A new optimizer (a stage's own, optim_swap) is sharded again, keeping the state it
-  /// already holds for this rank's parameters.
-  void before_stage(frugal::Learner& l) override;
-  void before_batch(frugal::Learner& l) override;
+  /// A new optimizer (a stage's own, optim_swap, a resume's) is sharded again, keeping the
+  /// state it already holds for this rank's parameters.
+  void optimizer_replaced(frugal::Learner& l) override;
   /// Stage 2, on the step's last micro-batch: each bucket reduced to its owner.
   void after_backward(frugal::Learner& l) override;
   /// Notes the gradient bytes the step starts with.

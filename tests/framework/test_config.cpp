@@ -7,8 +7,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "frugal/config.h"
-#include "frugal/error.h"
+#include "frugal/base/error.h"
+#include "frugal/config/config.h"
 #include "support.h"
 
 namespace frugal {

@@ -11,9 +11,9 @@
 #include <filesystem>
 
 #include "cli_support.h"
-#include "frugal/learner.h"
-#include "frugal/report.h"
-#include "frugal/safetensors.h"
+#include "frugal/core/learner.h"
+#include "frugal/io/file_writer.h"
+#include "frugal/io/safetensors.h"
 #include "support.h"
 
 namespace frugal::test {

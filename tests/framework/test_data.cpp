@@ -6,8 +6,8 @@
 #include <fstream>
 #include <set>
 
-#include "frugal/data.h"
-#include "frugal/error.h"
+#include "frugal/base/error.h"
+#include "frugal/data/data.h"
 #include "support.h"
 
 namespace frugal {

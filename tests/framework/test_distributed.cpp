@@ -19,12 +19,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
-#include "frugal/data.h"
-#include "frugal/distributed.h"
-#include "frugal/error.h"
-#include "frugal/learner.h"
-#include "frugal/safetensors.h"
-#include "frugal/stop.h"
+#include "frugal/base/error.h"
+#include "frugal/callbacks/stop.h"
+#include "frugal/core/learner.h"
+#include "frugal/data/data.h"
+#include "frugal/distributed/distributed.h"
+#include "frugal/io/safetensors.h"
 #include "support.h"
 
 namespace frugal::test {

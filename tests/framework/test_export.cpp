@@ -7,10 +7,10 @@
 #include <random>
 
 #include "cli_support.h"
+#include "frugal/app/model_export.h"
+#include "frugal/app/run.h"
 #include "frugal/frugal.h"
-#include "frugal/model_export.h"
-#include "frugal/run.h"
-#include "frugal/safetensors.h"
+#include "frugal/io/safetensors.h"
 #include "support.h"
 
 namespace frugal::test {

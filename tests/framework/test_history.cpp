@@ -61,7 +61,7 @@ struct LrProbe : Callback {
 
 /// Saves a checkpoint after the n-th batch and stops the fit.
 struct HistSaveAndStop : Callback {
-  HistSaveAndStop(std::string path, int n) : path(std::move(path)), n(n) {}
+  HistSaveAndStop(std::string file, int batch) : path(std::move(file)), n(batch) {}
   std::string name() const override { return "hist_save_and_stop"; }
   int order() const override { return -2000; }  // last in after_* events
   void after_batch(Learner& l) override {
@@ -270,7 +270,9 @@ TEST(MetricsHistory, WritesARowEveryLogEveryBatchesAndPerEpoch) {
     EXPECT_EQ(j["iteration"], iterations[r]);
     EXPECT_EQ(j["stage"], "train");
     EXPECT_EQ(j.contains("valid_metric"), kinds[r] == "epoch");
-    if (kinds[r] == "epoch") EXPECT_EQ(j["valid_metric_name"], "accuracy");
+    if (kinds[r] == "epoch") {
+      EXPECT_EQ(j["valid_metric_name"], "accuracy");
+    }
   }
 }
 

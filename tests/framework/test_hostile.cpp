@@ -38,7 +38,7 @@ int64_t iterations(int64_t fallback) {
 std::vector<std::string> seed_configs() {
   std::vector<std::string> out;
   const fs::path root = source_root();
-  for (const fs::path dir : {root / "examples" / "configs", root / "plugins"})
+  for (const fs::path& dir : {root / "examples" / "configs", root / "plugins"})
     for (auto it = fs::recursive_directory_iterator(dir); it != fs::recursive_directory_iterator(); ++it)
       if (it->path().extension() == ".toml") out.push_back(read_bytes(it->path().string()));
   return out;
@@ -456,7 +456,7 @@ TEST(Hostile, EveryFlippedBitOfACheckpointOrSavedModelIsRefused) {
 /// step (so a checkpoint exists), or at its first firing for before_fit. Keeps the bytes of
 /// the checkpoint as they were when it threw.
 struct Thrower : Callback {
-  Thrower(std::optional<Event> e, std::string ckpt) : event(e), ckpt(std::move(ckpt)) {}
+  Thrower(std::optional<Event> e, std::string file) : event(e), ckpt(std::move(file)) {}
   std::string name() const override { return "thrower"; }
   bool wraps_forward() const override { return !event; }
   torch::Tensor wrap_forward(Learner& l, const torch::Tensor& x, const ForwardNext& next) override {

@@ -94,8 +94,8 @@ TEST(LearnerEvents, SkipStepKeepsParametersAndSkipsAfterStep) {
   auto l = make_tiny_learner();
   auto before = clone_params(*l->model());
   auto rec = std::make_shared<Recorder>();
-  rec->action = [](Event e, Learner& l) {
-    if (e == Event::BeforeStep) l.skip_step();
+  rec->action = [](Event e, Learner& learner) {
+    if (e == Event::BeforeStep) learner.skip_step();
   };
   l->add_callback(rec);
   l->fit(1);
@@ -111,8 +111,8 @@ TEST(LearnerEvents, SkipBatchSkipsTheRestButFiresAfterBatch) {
   auto l = make_tiny_learner();
   auto before = clone_params(*l->model());
   auto rec = std::make_shared<Recorder>();
-  rec->action = [](Event e, Learner& l) {
-    if (e == Event::BeforeBatch && l.batch_index() % 2 == 0) l.skip_batch();
+  rec->action = [](Event e, Learner& learner) {
+    if (e == Event::BeforeBatch && learner.batch_index() % 2 == 0) learner.skip_batch();
   };
   l->add_callback(rec);
   l->fit(1);
@@ -127,8 +127,8 @@ TEST(LearnerEvents, SkipBatchSkipsTheRestButFiresAfterBatch) {
 TEST(LearnerEvents, StopEpochEndsTheEpochButValidates) {
   auto l = make_tiny_learner();
   auto rec = std::make_shared<Recorder>();
-  rec->action = [](Event e, Learner& l) {
-    if (e == Event::AfterBatch) l.stop_epoch();
+  rec->action = [](Event e, Learner& learner) {
+    if (e == Event::AfterBatch) learner.stop_epoch();
   };
   l->add_callback(rec);
   l->fit(3);
@@ -140,8 +140,8 @@ TEST(LearnerEvents, StopEpochEndsTheEpochButValidates) {
 TEST(LearnerEvents, StopFitClosesEveryOpenEventAndStartsNothingNew) {
   auto l = make_tiny_learner();
   auto rec = std::make_shared<Recorder>();
-  rec->action = [](Event e, Learner& l) {
-    if (e == Event::AfterStep) l.stop_fit();
+  rec->action = [](Event e, Learner& learner) {
+    if (e == Event::AfterStep) learner.stop_fit();
   };
   l->add_callback(rec);
   l->fit({make_stage("one", 2), make_stage("two", 2)});
@@ -164,6 +164,43 @@ TEST(LearnerEvents, AfterEventsRunInReverseOrder) {
   l->add_callback(a);
   l->fit(1);
   EXPECT_EQ(log, (std::vector<std::string>{"a", "b", "b", "a"}));
+}
+
+/// Replaces the optimizer in before_batch of the second batch (as optim_swap at a trigger).
+struct SwapAtBatch : Callback {
+  std::string name() const override { return "swap_at_batch"; }
+  int order() const override { return -10; }
+  void before_batch(Learner& l) override {
+    if (l.iteration() != 1) return;
+    OptimizerOptions o;
+    o.name = "sgd";
+    o.lr = 0.1;
+    l.set_optimizer(o);
+  }
+};
+
+/// Notes each optimizer_replaced and the before_batch hooks around it.
+struct ReplacedLog : Callback {
+  std::vector<std::string> log;
+  std::string name() const override { return "replaced_log"; }
+  int order() const override { return 10; }
+  void optimizer_replaced(Learner& l) override {
+    log.push_back("replaced " + l.optimizer_options().name + " at " + std::to_string(l.iteration()));
+  }
+  void before_batch(Learner& l) override {
+    if (l.iteration() <= 2) log.push_back("before_batch " + std::to_string(l.iteration()));
+  }
+};
+
+TEST(LearnerEvents, AReplacedOptimizerIsAnnouncedOnceBeforeTheNextHook) {
+  auto l = make_tiny_learner();  // 4 batches
+  auto log = std::make_shared<ReplacedLog>();
+  l->add_callback(log);
+  l->add_callback(std::make_shared<SwapAtBatch>());
+  l->fit(1);
+  EXPECT_EQ(log->log, (std::vector<std::string>{"before_batch 0", "replaced sgd at 1",
+                                                "before_batch 1", "before_batch 2"}));
+  EXPECT_EQ(l->optimizer_options().name, "sgd");
 }
 
 TEST(LearnerEvents, CallbackExceptionNamesCallbackAndEvent) {
@@ -250,8 +287,8 @@ TEST(LearnerFit, TwoEpochsOnSyntheticDataLowerTheLoss) {
   auto l = make_tiny_learner(s);
   std::vector<double> losses;
   auto rec = std::make_shared<Recorder>();
-  rec->action = [&](Event e, Learner& l) {
-    if (e == Event::AfterTrain) losses.push_back(l.epoch_loss());
+  rec->action = [&](Event e, Learner& learner) {
+    if (e == Event::AfterTrain) losses.push_back(learner.epoch_loss());
   };
   l->add_callback(rec);
   l->fit(2);

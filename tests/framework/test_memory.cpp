@@ -5,8 +5,8 @@
 
 #include <c10/core/CPUAllocator.h>
 
-#include "frugal/error.h"
-#include "frugal/memory.h"
+#include "frugal/base/error.h"
+#include "frugal/memory/memory.h"
 #include "learner_fixture.h"
 #include "support.h"
 

@@ -3,8 +3,8 @@
 
 #include <set>
 
-#include "frugal/optimizers.h"
-#include "frugal/registry.h"
+#include "frugal/models/registry.h"
+#include "frugal/optim/optimizers.h"
 #include "support.h"
 
 namespace frugal {

@@ -3,8 +3,8 @@
 // run.oom_retries, and run.micro_batch = "auto" finds the largest micro-batch that fits.
 #include <gtest/gtest.h>
 
-#include "frugal/plugin_host.h"
-#include "frugal/run.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/run.h"
 #include "learner_fixture.h"
 #include "support.h"
 
@@ -197,6 +197,53 @@ TEST(OomRetry, OomInAForwardWrapperKeepsItsTypeAndResumesAtTheFailedMicroBatch) 
   const std::string msg = message_of([&] { fail->fit(1); });
   EXPECT_NE(msg.find("out of memory in forward of batch 0"), std::string::npos) << msg;
   EXPECT_NE(msg.find("run.on_oom = \"retry\""), std::string::npos) << msg;
+}
+
+/// Vetoes every retry while `armed`, as step_in_backward does once it stepped a parameter.
+struct VetoRetry : Callback {
+  bool armed = true;
+  mutable int asked = 0;
+  std::string name() const override { return "veto_retry"; }
+  std::string retry_veto(const Learner&) const override {
+    ++asked;
+    return armed ? "parameters already stepped" : "";
+  }
+};
+
+TEST(OomRetry, ACallbacksVetoStopsTheRetryNamingItAndItsReason) {
+  TinySetup s = exact_setup(64, 32, 0.1);
+  auto l = make_tiny_learner(s);
+  l->set_micro_batch_size(16);
+  l->set_oom_policy({0, true, 4, false});
+  auto veto = std::make_shared<VetoRetry>();
+  l->add_callback(std::make_shared<OomInForward>(1));
+  l->add_callback(veto);
+  OomError::Phase phase = OomError::Phase::Step;
+  const std::string msg = message_of([&] {
+    try {
+      l->fit(1);
+    } catch (const OomError& e) {
+      phase = e.phase();
+      throw;
+    }
+  });
+  EXPECT_EQ(phase, OomError::Phase::Forward);
+  EXPECT_EQ(veto->asked, 1);
+  EXPECT_NE(msg.find("not retried (veto_retry: parameters already stepped)"), std::string::npos) << msg;
+  EXPECT_EQ(l->micro_batch_cap(), 0) << "no retry was planned";
+
+  // Without the veto the same error is retried (and the callback was asked).
+  auto k = make_tiny_learner(s);
+  k->set_micro_batch_size(16);
+  k->set_oom_policy({0, true, 4, false});
+  auto quiet = std::make_shared<VetoRetry>();
+  quiet->armed = false;
+  k->add_callback(std::make_shared<OomInForward>(1));
+  k->add_callback(quiet);
+  k->fit(1);
+  EXPECT_EQ(quiet->asked, 1);
+  EXPECT_EQ(k->oom_count(), 1);
+  EXPECT_EQ(k->micro_batch_cap(), 8);
 }
 
 TEST(OomRetry, GradAccumSplitDoesNotUndoTheCapAtTheNextStage) {

@@ -7,9 +7,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "frugal/config.h"
-#include "frugal/error.h"
-#include "frugal/optimizers.h"
+#include "frugal/base/error.h"
+#include "frugal/config/config.h"
+#include "frugal/optim/optimizers.h"
 
 namespace frugal {
 namespace {

@@ -10,14 +10,14 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
-#include "frugal/config.h"
-#include "frugal/data.h"
-#include "frugal/error.h"
-#include "frugal/learner.h"
-#include "frugal/preflight.h"
-#include "frugal/registry.h"
-#include "frugal/run.h"
-#include "frugal/task.h"
+#include "frugal/app/preflight.h"
+#include "frugal/app/run.h"
+#include "frugal/base/error.h"
+#include "frugal/config/config.h"
+#include "frugal/core/learner.h"
+#include "frugal/data/data.h"
+#include "frugal/data/task.h"
+#include "frugal/models/registry.h"
 #include "support.h"
 
 // stb_image_write's JPEG encoder left-shifts negative values (see data_image_folder.cpp).
@@ -440,7 +440,7 @@ TEST(Augment, AnEpochsDrawDependsOnlyOnSeedEpochAndPosition) {
 
 /// Checkpoints at the n-th batch and stops the fit: a run killed right after it.
 struct CheckpointAndStop : Callback {
-  CheckpointAndStop(std::string path, int n) : path(std::move(path)), n(n) {}
+  CheckpointAndStop(std::string file, int batch) : path(std::move(file)), n(batch) {}
   std::string name() const override { return "checkpoint_and_stop"; }
   int order() const override { return -2000; }
   void after_batch(Learner& l) override {

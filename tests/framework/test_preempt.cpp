@@ -14,9 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
-#include "frugal/checkpoint_history.h"
-#include "frugal/run_folder.h"
-#include "frugal/stop.h"
+#include "frugal/callbacks/checkpoint_history.h"
+#include "frugal/callbacks/stop.h"
+#include "frugal/io/run_folder.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {

@@ -3,12 +3,12 @@
 #include <filesystem>
 
 #include "cli_support.h"
-#include "frugal/config.h"
-#include "frugal/data.h"
-#include "frugal/error.h"
-#include "frugal/optimizers.h"
-#include "frugal/preflight.h"
-#include "frugal/run.h"
+#include "frugal/app/preflight.h"
+#include "frugal/app/run.h"
+#include "frugal/base/error.h"
+#include "frugal/config/config.h"
+#include "frugal/data/data.h"
+#include "frugal/optim/optimizers.h"
 #include "support.h"
 
 namespace frugal::test {
@@ -70,7 +70,7 @@ TEST(Preflight, FashionMnistAndTextAreEstimatedFromTheirFilesAsTheyAreLoaded) {
   }
   write_text(dir.file("corpus.txt"), std::string(5000, 'a'));
   const std::string base = "[run]\nout_dir = \"" + dir.file("out") + "\"\nprogress = \"none\"\n";
-  for (const std::string data :
+  for (const std::string& data :
        {"[data]\ndataset = \"fashion-mnist\"\npath = \"" + dir.file("fm") + "\"\nimage_size = 32\nchannels = 3\n",
         "[data]\ndataset = \"fashion-mnist\"\npath = \"" + dir.file("fm") + "\"\ntrain_samples = 16\nvalid_samples = -1\n",
         "[data]\ndataset = \"text\"\npaths = [\"" + dir.file("corpus.txt") + "\"]\nblock_size = 16\n",

@@ -23,7 +23,7 @@ namespace {
 /// Saves a checkpoint at the n-th firing of `event` and stops the fit there: a run killed
 /// right after its last checkpoint.
 struct SaveAndStop : Callback {
-  SaveAndStop(std::string path, Event event, int n) : path(std::move(path)), event(event), n(n) {}
+  SaveAndStop(std::string file, Event at, int batch) : path(std::move(file)), event(at), n(batch) {}
   std::string name() const override { return "save_and_stop"; }
   int order() const override { return -2000; }  // last in after_* events
   void after_batch(Learner& l) override { maybe(l, Event::AfterBatch); }

@@ -10,13 +10,13 @@
 #include <map>
 
 #include "cli_support.h"
-#include "frugal/early_stopping.h"
+#include "frugal/app/model_export.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/run.h"
+#include "frugal/callbacks/early_stopping.h"
+#include "frugal/callbacks/nonfinite.h"
 #include "frugal/frugal.h"
-#include "frugal/model_export.h"
-#include "frugal/nonfinite.h"
-#include "frugal/plugin_host.h"
-#include "frugal/run.h"
-#include "frugal/safetensors.h"
+#include "frugal/io/safetensors.h"
 #include "learner_fixture.h"
 #include "support.h"
 

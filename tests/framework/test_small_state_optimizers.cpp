@@ -8,10 +8,10 @@
 
 #include <gtest/gtest.h>
 
-#include "frugal/adafactor.h"
-#include "frugal/adam8bit.h"
-#include "frugal/optimizers.h"
-#include "frugal/plugin_host.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/optim/adafactor.h"
+#include "frugal/optim/adam8bit.h"
+#include "frugal/optim/optimizers.h"
 #include "learner_fixture.h"
 
 // Its own namespace: unity builds put several test files in one translation unit.

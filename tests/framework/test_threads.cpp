@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "frugal/config.h"
-#include "frugal/error.h"
-#include "frugal/threads.h"
+#include "frugal/base/error.h"
+#include "frugal/callbacks/threads.h"
+#include "frugal/config/config.h"
 #include "learner_fixture.h"
 
 namespace frugal::test {
@@ -92,7 +92,7 @@ TEST(ThreadTuner, TimesBothCandidatesOnRealStepsThenTrainsOnTheFaster) {
 
 // Saves a checkpoint after the n-th training batch and stops the fit: a run killed there.
 struct SaveAtBatch : Callback {
-  SaveAtBatch(std::string path, int n) : path(std::move(path)), n(n) {}
+  SaveAtBatch(std::string file, int batch) : path(std::move(file)), n(batch) {}
   std::string name() const override { return "save_at_batch"; }
   int order() const override { return -2000; }  // last in after_* events
   void after_batch(Learner& l) override {

@@ -6,7 +6,7 @@
 #include <map>
 
 #include "cli_support.h"
-#include "frugal/safetensors.h"
+#include "frugal/io/safetensors.h"
 #include "support.h"
 
 namespace frugal::test {

@@ -7,8 +7,8 @@
 #include <spdlog/spdlog.h>
 
 #include "cli_support.h"
-#include "frugal/plugin_host.h"
-#include "frugal/run.h"
+#include "frugal/app/plugin_host.h"
+#include "frugal/app/run.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
 

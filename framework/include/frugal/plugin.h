@@ -36,11 +36,11 @@
 #include <spdlog/logger.h>
 #include <torch/version.h>
 
-#include "frugal/callback.h"
-#include "frugal/learner.h"
-#include "frugal/options.h"
+#include "frugal/base/options.h"
+#include "frugal/base/version.h"
+#include "frugal/core/callback.h"
+#include "frugal/core/learner.h"
 #include "frugal/plugin_export.h"
-#include "frugal/version.h"
 
 namespace frugal {
 

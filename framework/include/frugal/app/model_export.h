@@ -1,0 +1,93 @@
+#pragma once
+/// The trained model kept, as fastai's export: when a fit ends, its weights alone (no optimizer
+/// state, no callback state) go to <out_dir>/model.pt, written atomically beside the run's
+/// config.toml, and the same weights to <out_dir>/model.safetensors for use outside frugal
+/// (safetensors.h). `frugal generate` and `frugal evaluate` load a run folder with
+/// load_run_model.
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "frugal/app/plugin_host.h"
+#include "frugal/callbacks/early_stopping.h"
+#include "frugal/config/config.h"
+#include "frugal/core/callback.h"
+
+namespace frugal {
+
+class ModelExport : public Callback {
+ public:
+  /// `path`: the model.pt to write; the .safetensors beside it gets `metadata`.
+  explicit ModelExport(std::string path, std::map<std::string, std::string> metadata = {});
+  std::string name() const override { return "model_export"; }
+  int order() const override { return order::kModelExport; }
+  /// Writes both files once the fit has ended without an error.
+  void after_fit(Learner& l) override;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::map<std::string, std::string> metadata_;
+};
+
+/// run.save_best: after each validation inside the fit that improves on the best so far (by
+/// the monitor's min_delta), the model's weights go to `path` (best.pt) and the same weights to
+/// best.safetensors beside it, each written atomically (temp file, fsync, rename), so a crash
+/// leaves the previous best intact. Its record names the value, stage, epoch and steps.
+class SaveBest : public Callback {
+ public:
+  SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata = {});
+  std::string name() const override { return "save_best"; }
+  int order() const override { return order::kBestModel; }
+  /// Checks the metric against the Learner's task and that it validates, before any batch.
+  void before_fit(Learner& l) override;
+  void before_epoch(Learner&) override { in_epoch_ = true; }
+  void after_validate(Learner& l) override;
+  void after_epoch(Learner&) override { in_epoch_ = false; }
+
+  const std::string& path() const { return path_; }
+  bool has_best() const { return has_best_; }
+  double best() const { return best_; }
+  /// {"metric", "value", "stage", "stage_name", "epoch", "steps", "validation", "pt",
+  /// "safetensors"} of the kept model (epochs counted from 1 within the stage); null when none.
+  nlohmann::json record() const { return record_; }
+
+  /// The best value and its record: a resumed run keeps a better earlier model.
+  void save_state(torch::serialize::OutputArchive& a) const override;
+  void load_state(Learner&, torch::serialize::InputArchive& a) override;
+
+ private:
+  MetricMonitor monitor_;
+  std::string path_;
+  std::map<std::string, std::string> metadata_;
+  bool in_epoch_ = false, has_best_ = false;
+  double best_ = 0;
+  int64_t validations_ = 0;
+  nlohmann::json record_;
+};
+
+/// Writes `l`'s weights to `path` (as Learner::save without the optimizer) and to the
+/// .safetensors beside it with `metadata`, both atomically: what ModelExport and SaveBest write.
+void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata);
+
+/// <out_dir>/model.pt: where a run keeps its trained model.
+std::string model_path(const RunOptions& r);
+/// <out_dir>/best.pt: where run.save_best keeps the best model (best.safetensors beside it).
+std::string best_model_path(const RunOptions& r);
+
+/// A trained run, loaded back: its resolved config (with its plugins loaded, since a plugin may
+/// register the model) and its model with the exported weights, in eval mode.
+struct RunModel {
+  ConfigWithPlugins loaded;
+  torch::nn::Sequential model{nullptr};
+};
+
+/// Reads <run_dir>/config.toml, builds its model on `device` and loads <run_dir>/model.pt into
+/// it, every shape checked first. Throws ConfigError (no run folder, no config) or
+/// CheckpointError (no model.pt, a corrupt one, or one of another model) naming the file.
+RunModel load_run_model(const std::string& run_dir, const torch::Device& device = torch::kCPU);
+
+}  // namespace frugal

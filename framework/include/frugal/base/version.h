@@ -1,0 +1,12 @@
+#pragma once
+/// frugal's version, and the plugin ABI version (bumped on any change a plugin would see).
+namespace frugal {
+inline constexpr const char* kVersion = "0.1.0";
+// 2: Callback::save_state, load_state, held_bytes. 3: FieldVisitor takes Help and ByteSize
+// fields; Options::unknown_key_note. 4: Callback::relations, release_caches (the vtable
+// changed); OomError's phase; MemoryWindow handles. 5: MemoryMeter::empty_cache returns the
+// bytes released, allocator_stats(); Limits::or_auto. 6: headers in
+// subsystem folders; Callback::retry_veto, optimizer_replaced; Learner::collective,
+// completes_step (the Learner's layout changed); OptimizerOptions::own is an OwnKeys.
+inline constexpr int kAbiVersion = 6;
+}  // namespace frugal

@@ -1,0 +1,76 @@
+#pragma once
+/// A safety net for training that diverges: before each optimizer step, the batch's loss and
+/// every gradient are checked for inf/NaN. A non-finite one stops the fit with an error naming
+/// the stage, epoch, batch and the first offending parameter (the step is not taken, so the
+/// parameters and every checkpoint written so far stay good), or, with on_nonfinite = "skip",
+/// the step is skipped (Learner::skip_step, the gradients dropped) and counted.
+///
+/// A step another callback already skipped is not checked: amp's loss scaler skips steps whose
+/// scaled gradients overflowed (and backs its scale off), grad_accum skips the steps of an
+/// accumulation group but its last. Hence the order: before_step runs in ascending order, and
+/// order::kNonFiniteCheck is above every band that may skip a step in before_batch,
+/// after_backward or before_step (kBatchGrouping, kPrecision, kGradientSync).
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "frugal/core/callback.h"
+
+namespace frugal {
+
+/// The first parameter (in named_parameters order) whose gradient holds an inf or a NaN, or
+/// nullopt when all are finite. Reads each gradient once, sums it in double (a finite float
+/// gradient cannot overflow a double sum) and syncs once; only when some sum is not finite does
+/// it look for the parameter, so the common case allocates nothing the size of a gradient.
+std::optional<std::string> first_nonfinite_gradient(const torch::nn::Module& m);
+
+/// Where and why a fit stopped for a non-finite value.
+struct NonFiniteEvent {
+  std::string what;       ///< "loss" | "gradient"
+  std::string parameter;  ///< the first parameter with a non-finite gradient; "" when none
+  double loss = 0;        ///< the batch's (unscaled) loss
+  int64_t stage = 0, epoch = 0, batch = 0, iteration = 0, steps = 0;
+  std::string stage_name;
+  nlohmann::json to_json() const;
+  /// "non-finite loss (nan) in stage 'train' (1), epoch 2, batch 5 (iteration 12, after 11
+  /// optimizer steps); first non-finite gradient: 0.weight"
+  std::string describe() const;
+};
+
+class NonFiniteCheck : public Callback {
+ public:
+  enum class Mode { Fail, Skip };
+  /// Mode::Fail throws (a CallbackError whose text is NonFiniteEvent::describe()).
+  explicit NonFiniteCheck(Mode mode = Mode::Fail) : mode_(mode) {}
+  /// "fail" | "skip"; throws ConfigError naming run.on_nonfinite otherwise.
+  static Mode parse_mode(const std::string& s);
+
+  std::string name() const override { return "nonfinite_check"; }
+  int order() const override { return order::kNonFiniteCheck; }
+  void before_fit(Learner& l) override;
+  /// Checks the loss and the gradients of a step no other callback skipped. Data parallel:
+  /// one all-reduce of the verdict, so every rank fails or skips the same step.
+  void before_step(Learner& l) override;
+
+  Mode mode() const { return mode_; }
+  /// Steps skipped for a non-finite loss or gradient in this fit (Mode::Skip).
+  int64_t skipped() const { return skipped_; }
+  /// The event that stopped the fit (Mode::Fail), or the last skipped one (Mode::Skip).
+  const std::optional<NonFiniteEvent>& last() const { return last_; }
+  /// {"mode", "skipped_steps", "event"?: NonFiniteEvent} for the run report.
+  nlohmann::json record() const;
+
+  /// The count of skips, so a resumed run reports the whole run's.
+  void save_state(torch::serialize::OutputArchive& a) const override;
+  void load_state(Learner&, torch::serialize::InputArchive& a) override;
+
+ private:
+  Mode mode_;
+  int64_t skipped_ = 0;
+  std::optional<NonFiniteEvent> last_;
+};
+
+}  // namespace frugal

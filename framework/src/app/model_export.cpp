@@ -1,0 +1,107 @@
+#include "frugal/app/model_export.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "frugal/app/run.h"
+#include "frugal/base/error.h"
+#include "frugal/core/learner.h"
+#include "frugal/io/safetensors.h"
+#include "io/archive.h"
+
+namespace frugal {
+
+namespace fs = std::filesystem;
+
+ModelExport::ModelExport(std::string path, std::map<std::string, std::string> metadata)
+    : path_(std::move(path)), metadata_(std::move(metadata)) {}
+
+void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata) {
+  l.save(path, /*with_opt=*/false);
+  metadata.emplace("format", "pt");  // what safetensors.torch.load_file expects of PyTorch weights
+  safetensors::write(fs::path(path).replace_extension(".safetensors").string(),
+                     safetensors::state_dict(*l.model()), metadata);
+}
+
+void ModelExport::after_fit(Learner& l) { export_weights(l, path_, metadata_); }
+
+// ---------------------------------------------------------------- the best model
+
+SaveBest::SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata)
+    : monitor_(std::move(monitor)), path_(std::move(path)), metadata_(std::move(metadata)) {}
+
+void SaveBest::before_fit(Learner& l) {
+  monitor_.check(l.task(), "run.save_best");
+  if (!l.valid_data())
+    throw_config_error("run.save_best = \"" + monitor_.metric() + "\" needs validation data; "
+                       "this learner has none");
+  in_epoch_ = has_best_ = false;
+  best_ = 0;
+  validations_ = 0;
+  record_ = nullptr;
+}
+
+void SaveBest::after_validate(Learner& l) {
+  if (!in_epoch_) return;  // a validate() called outside the fit's epochs
+  ++validations_;
+  const double v = monitor_.value(l.task(), l.valid_sums());
+  if (!monitor_.improves(l.task(), v, has_best_, best_)) return;
+  has_best_ = true;
+  best_ = v;
+  const std::string st = fs::path(path_).replace_extension(".safetensors").string();
+  record_ = {{"metric", monitor_.metric()}, {"value", v}, {"stage", l.stage_index()},
+             {"stage_name", l.stage().name}, {"epoch", l.epoch() + 1}, {"steps", l.steps()},
+             {"validation", validations_}, {"pt", path_}, {"safetensors", st}};
+  auto metadata = metadata_;
+  char value[32];  // every digit: an MSE of 1e-7 is not "0.000000"
+  std::snprintf(value, sizeof value, "%.17g", v);
+  metadata["frugal.best." + monitor_.metric()] = value;
+  metadata["frugal.best.steps"] = std::to_string(l.steps());
+  export_weights(l, path_, metadata);
+}
+
+void SaveBest::save_state(torch::serialize::OutputArchive& a) const {
+  if (!has_best_) return;
+  a.write("best", c10::IValue(best_));
+  a.write("validations", c10::IValue(validations_));
+  a.write("record", c10::IValue(record_.dump()));
+}
+
+void SaveBest::load_state(Learner&, torch::serialize::InputArchive& a) {
+  c10::IValue best, validations, record;
+  if (!a.try_read("best", best) || !a.try_read("validations", validations) ||
+      !a.try_read("record", record))
+    return;  // saved before any validation
+  has_best_ = true;
+  best_ = best.toDouble();
+  validations_ = validations.toInt();
+  record_ = nlohmann::json::parse(record.toStringRef(), nullptr, /*allow_exceptions=*/false);
+}
+
+std::string model_path(const RunOptions& r) { return (fs::path(r.out_dir) / "model.pt").string(); }
+
+std::string best_model_path(const RunOptions& r) { return (fs::path(r.out_dir) / "best.pt").string(); }
+
+RunModel load_run_model(const std::string& run_dir, const torch::Device& device) {
+  const fs::path dir(run_dir);
+  const fs::path config = dir / "config.toml";
+  if (!fs::is_directory(dir)) throw_config_error(run_dir + ": not a run folder (no such folder)");
+  if (!fs::is_regular_file(config))
+    throw_config_error(run_dir + ": not a run folder: it has no config.toml (frugal train writes "
+                       "one into run.out_dir)");
+  RunModel r;
+  r.loaded = load_config_with_plugins(config.string());
+  const fs::path weights = dir / "model.pt";
+  if (!fs::is_regular_file(weights))
+    throw CheckpointError(weights.string() + ": no trained model in this run folder (a run writes "
+                          "model.pt when its fit ends; this one did not finish)");
+  r.model = make_config_model(r.loaded.config);
+  r.model->to(device);
+  archive::InputArchive a;
+  archive::open(weights.string(), device, a);
+  archive::load_model(*r.model, a, weights.string());
+  r.model->eval();
+  return r;
+}
+
+}  // namespace frugal

@@ -1,0 +1,114 @@
+// The non-finite check: a diverged step fails (or is skipped) before it reaches the parameters.
+#include "frugal/callbacks/nonfinite.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "frugal/base/error.h"
+#include "frugal/core/learner.h"
+
+namespace frugal {
+
+std::optional<std::string> first_nonfinite_gradient(const torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  const auto params = m.named_parameters();
+  // Each gradient's minimum and maximum (NaN propagates into both, an inf shows in one): one
+  // pass, two scalars, no copy. A sum in double would copy each gradient to double on CPU (the
+  // reduction casts its input first): twice the largest gradient's bytes at the step's peak.
+  std::vector<torch::Tensor> extremes;
+  for (const auto& p : params) {
+    const torch::Tensor& g = p.value().grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    auto mm = torch::aminmax(g);
+    extremes.push_back(std::get<0>(mm).to(torch::kFloat).reshape({1}));
+    extremes.push_back(std::get<1>(mm).to(torch::kFloat).reshape({1}));
+  }
+  if (extremes.empty() || torch::isfinite(torch::cat(extremes)).all().item<bool>()) return std::nullopt;
+  for (const auto& p : params) {  // rare: find which one
+    const torch::Tensor& g = p.value().grad();
+    if (g.defined() && !torch::isfinite(g).all().item<bool>()) return p.key();
+  }
+  return std::nullopt;
+}
+
+nlohmann::json NonFiniteEvent::to_json() const {
+  // JSON has no NaN or infinity: a non-finite loss is written as its text ("nan", "inf").
+  const nlohmann::json l = std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss));
+  return {{"what", what},   {"parameter", parameter},   {"loss", l},         {"stage", stage},
+          {"stage_name", stage_name}, {"epoch", epoch}, {"batch", batch}, {"iteration", iteration},
+          {"steps", steps}};
+}
+
+std::string NonFiniteEvent::describe() const {
+  std::ostringstream os;
+  os << "non-finite " << what;
+  if (what == "loss") os << " (" << loss << ")";
+  os << " in stage '" << stage_name << "' (" << stage + 1 << "), epoch " << epoch + 1 << ", batch "
+     << batch + 1 << " (iteration " << iteration + 1 << ", after " << steps << " optimizer steps)";
+  if (!parameter.empty())
+    os << "; first non-finite gradient: " << parameter;
+  else if (what == "loss or gradient")
+    os << " on another rank";
+  return os.str();
+}
+
+NonFiniteCheck::Mode NonFiniteCheck::parse_mode(const std::string& s) {
+  if (s == "fail") return Mode::Fail;
+  if (s == "skip") return Mode::Skip;
+  throw ConfigError("run.on_nonfinite = \"" + s + "\": allowed are \"fail\" (stop the run with an "
+                    "error) and \"skip\" (skip the step and count it)");
+}
+
+void NonFiniteCheck::before_fit(Learner&) {
+  skipped_ = 0;
+  last_.reset();
+}
+
+void NonFiniteCheck::before_step(Learner& l) {
+  if (l.batch_skipped()) return;
+  // A step another callback skipped (amp's scaler after an overflow, grad_accum inside a group)
+  // keeps its gradients to itself: amp finds its scale through inf gradients. Its loss is
+  // checked all the same: the loss is taken before any scaling, so an inf or NaN there (a
+  // forward that overflowed) is never the scaler's to fix.
+  const bool skipped_by_another = l.step_skipped();
+  NonFiniteEvent e;
+  e.loss = l.loss().defined() ? l.loss().item<double>() : 0.0;
+  if (!skipped_by_another)
+    if (auto p = first_nonfinite_gradient(*l.model())) e.parameter = *p;
+  const bool bad_here = !std::isfinite(e.loss) || !e.parameter.empty();
+  // Data parallel: the gradients are the same on every rank (all-reduced), the losses are not.
+  if (!l.collective().any(bad_here)) return;
+  e.what = !bad_here ? "loss or gradient" : std::isfinite(e.loss) ? "gradient" : "loss";
+  e.stage = l.stage_index();
+  e.stage_name = l.stage().name;
+  e.epoch = l.epoch();
+  e.batch = l.batch_index();
+  e.iteration = l.iteration();
+  e.steps = l.steps();
+  last_ = e;
+  if (mode_ == Mode::Fail) throw Error(e.describe());
+  // A non-finite loss is left out of the epoch's loss, the progress line and the history.
+  if (!std::isfinite(e.loss)) l.loss() = torch::Tensor();
+  if (skipped_by_another) return;
+  ++skipped_;
+  l.skip_step();
+  l.zero_grad();
+}
+
+nlohmann::json NonFiniteCheck::record() const {
+  nlohmann::json j = {{"mode", mode_ == Mode::Fail ? "fail" : "skip"}, {"skipped_steps", skipped_}};
+  if (last_) j["event"] = last_->to_json();
+  return j;
+}
+
+// Nothing while nothing was skipped: a checkpoint then loads into a Learner without this check.
+void NonFiniteCheck::save_state(torch::serialize::OutputArchive& a) const {
+  if (skipped_ > 0) a.write("skipped", c10::IValue(skipped_));
+}
+
+void NonFiniteCheck::load_state(Learner&, torch::serialize::InputArchive& a) {
+  c10::IValue v;
+  if (a.try_read("skipped", v) && v.isInt()) skipped_ = v.toInt();
+}
+
+}  // namespace frugal

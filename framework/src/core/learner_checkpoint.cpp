@@ -1,0 +1,311 @@
+// The Learner's save/load and checkpoint/resume: what to write and where a resumed fit picks
+// up. The file format itself is archive.h's.
+#include <algorithm>
+#include <cstring>
+
+#include "core/guard.h"
+#include "core/pending_resume.h"
+#include "frugal/base/error.h"
+#include "frugal/core/learner.h"
+#include "io/archive.h"
+
+namespace frugal {
+
+namespace {
+
+std::string list(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& n : v) out += (out.empty() ? "" : ", ") + n;
+  return "[" + out + "]";
+}
+
+// Every rank's optimizer_bytes on rank 0 ({} elsewhere), for a sharded optimizer. A collective:
+// the bytes travel padded to the longest, behind their length; only rank 0 holds them all.
+std::vector<std::vector<char>> gather_optimizers(Collective& world, const torch::optim::Optimizer& opt,
+                                                 const std::string& name) {
+  const std::vector<char> own = archive::optimizer_bytes(opt, name);
+  const auto n = static_cast<int64_t>(own.size());
+  const int64_t longest = world.max(n);
+  torch::Tensor t = torch::zeros({longest + 8}, torch::kByte);
+  std::memcpy(t.data_ptr(), &n, 8);
+  if (n) std::memcpy(static_cast<char*>(t.data_ptr()) + 8, own.data(), own.size());
+  const auto all = world.gather(t.to(world.device()));
+  std::vector<std::vector<char>> out;
+  for (const auto& g : all) {
+    const torch::Tensor c = g.cpu().contiguous();
+    const char* p = static_cast<const char*>(c.data_ptr());
+    int64_t len = 0;
+    std::memcpy(&len, p, 8);
+    out.emplace_back(p + 8, p + 8 + len);
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- save and load
+
+void Learner::save(const std::string& path, bool with_opt) {
+  live();
+  archive::OutputArchive a;
+  archive::write_header(a);
+  archive::write_model(a, *model_);
+  if (with_opt) archive::write_optimizer(a, *optimizer_, optimizer_options_.name);
+  archive::write_file(a, path);
+}
+
+void Learner::load(const std::string& path, bool with_opt) {
+  live();
+  archive::InputArchive a;
+  archive::open(path, device_, a);
+  archive::load_model(*model_, a, path);
+  if (with_opt)
+    archive::load_optimizer(*optimizer_, optimizer_options_.name, a, path,
+                            "; load it with with_opt = false");
+}
+
+// ---------------------------------------------------------------- checkpoint
+
+FitPosition Learner::position() const {
+  FitPosition p = next_;
+  if (training_) {
+    // A batch that failed after its optimizer step counts as done: replaying it would step
+    // twice.
+    if (steps_ > p.steps) {
+      p.batch = batch_index_ + 1;
+      p.iteration = iteration_ + 1;
+      p.steps = steps_;
+    }
+    p.stop_epoch = stop_epoch_;
+    p.stop_fit = stop_fit_;
+  } else if (stop_fit_) {
+    p.done = true;  // between epochs or stages: nothing of a stopped fit is left
+  }
+  return p;
+}
+
+void Learner::save_checkpoint(const std::string& path, const nlohmann::json& info) {
+  live();
+  archive::ResumeRecord r;
+  r.position = position();
+  for (const auto& s : stages_) r.stages.push_back(s.name);
+  for (const auto& c : callbacks_) r.callbacks.push_back(c->name());
+  r.optimizer = optimizer_options_.name;
+  // The running loss belongs to the position's epoch only while it trains; between epochs it
+  // is the finished epoch's.
+  r.loss_count = training_ ? loss_count_ : 0;
+  r.valid_accuracy = valid_accuracy();
+  r.valid_sums = valid_sums_;
+  r.stats = stats_.stages();
+  // Mid-epoch: the epoch's batches so far are in the stage's samples; their time goes with
+  // them (the resumed epoch adds only its own), so samples/s stays right across a resume.
+  const auto stage = static_cast<size_t>(stage_index_);
+  if (training_ && stage < r.stats.size())
+    r.stats[stage].train_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - train_started_).count();
+  r.info = info;
+  Collective& world = collective();
+  const RngState rng = RngState::capture(device_);
+  std::vector<torch::Tensor> rank_rngs;  // data parallel: every rank's CPU generator
+  if (world.distributed()) {
+    if (!r.info.is_object()) r.info = nlohmann::json::object();
+    r.info["world_size"] = world.size();
+    rank_rngs = world.all_gather(rng.cpu.to(world.device()));
+  }
+  std::vector<std::vector<char>> rank_optimizers;  // a sharded optimizer: every rank's own
+  if (world.distributed() && per_rank_optimizer_) {
+    r.info["optimizer_per_rank"] = true;
+    rank_optimizers = gather_optimizers(world, *optimizer_, optimizer_options_.name);
+  }
+  if (!world.is_main()) {  // rank 0 writes; the others learn whether it did
+    if (world.any(false)) throw CheckpointError("rank 0 could not write checkpoint '" + path + "'");
+    return;
+  }
+  try {
+    write_checkpoint_file(path, r, rng, rank_rngs, rank_optimizers);
+  } catch (...) {
+    world.any(true);
+    throw;
+  }
+  world.any(false);  // after the rename: every rank knows the file is there
+}
+
+void Learner::write_checkpoint_file(const std::string& path, const archive::ResumeRecord& r,
+                                    const RngState& rng,
+                                    const std::vector<torch::Tensor>& rank_rngs,
+                                    const std::vector<std::vector<char>>& rank_optimizers) {
+  archive::OutputArchive a;
+  archive::write_header(a);
+  archive::write_resume(a, r);
+  archive::write_model(a, *model_);
+  archive::write_optimizer(a, *optimizer_, optimizer_options_.name);
+  for (const auto& c : callbacks_) {
+    archive::OutputArchive state;
+    call_guarded(*c, "save_state", [&] { c->save_state(state); });
+    archive::write_callback_state(a, c->name(), state);
+  }
+  if (training_ && loss_sum_.defined()) archive::write_loss_sum(a, loss_sum_);
+  archive::write_rng(a, rng);
+  for (size_t k = 1; k < rank_rngs.size(); ++k)
+    archive::write_rank_rng(a, static_cast<int>(k), rank_rngs[k]);
+  for (size_t k = 1; k < rank_optimizers.size(); ++k)
+    archive::write_rank_optimizer(a, static_cast<int>(k), rank_optimizers[k]);
+  archive::write_file(a, path);
+}
+
+nlohmann::json Learner::read_checkpoint(const std::string& path) {
+  archive::InputArchive a;
+  archive::open(path, torch::kCPU, a);
+  return archive::read_resume_json(a, path);
+}
+
+nlohmann::json Learner::load_checkpoint(const std::string& path) {
+  live();
+  auto r = std::make_unique<PendingResume>();
+  r->path = path;
+  archive::open(path, device_, r->archive);
+  r->record = archive::read_resume(r->archive, path);
+  const Collective& world = collective();
+  const nlohmann::json& saved_info = r->record.info;
+  const int64_t saved_world =
+      saved_info.is_object() ? saved_info.value("world_size", int64_t{1}) : int64_t{1};
+  if (saved_world != world.size())
+    throw CheckpointError("checkpoint '" + path + "' was written by a run of " +
+                          std::to_string(saved_world) + " process(es); this run has " +
+                          std::to_string(world.size()) + ": resume it with as many (frugal "
+                          "train --nproc " + std::to_string(saved_world) +
+                          ", or torchrun --nproc_per_node=" + std::to_string(saved_world) +
+                          "): each rank's data shard and random generator depend on it");
+  // The records a resumed fit reads last, checked now: a damaged one fails before the model
+  // changes.
+  torch::Tensor loss_sum;
+  archive::read_loss_sum(r->archive, loss_sum, path);
+  archive::read_rng(r->archive, device_, world.rank(), path);
+  archive::load_model(*model_, r->archive, path);
+  nlohmann::json info = r->record.info;
+  resume_ = std::move(r);
+  return info;
+}
+
+std::optional<FitPosition> Learner::pending_resume() const {
+  if (!resume_) return std::nullopt;
+  return resume_->record.position;
+}
+
+// ---------------------------------------------------------------- resume
+
+// Before before_fit: the stages must be the checkpoint's; counters and statistics continue.
+size_t Learner::prepare_resume() {
+  const PendingResume& r = *resume_;
+  std::vector<std::string> now;
+  for (const auto& s : stages_) now.push_back(s.name);
+  if (r.record.stages != now)
+    throw CheckpointError("checkpoint '" + r.path + "' was saved by a fit with stages " +
+                          list(r.record.stages) + "; this fit has " + list(now) +
+                          ": resume with the same stages");
+  const FitPosition& p = r.record.position;
+  const size_t first = p.done ? stages_.size() : static_cast<size_t>(p.stage);
+  const size_t saved_stages = r.record.stats.size();
+  if (first > stages_.size() || saved_stages > stages_.size() || (!p.done && saved_stages < first))
+    throw CheckpointError("checkpoint '" + r.path + "' has an impossible position (stage " +
+                          std::to_string(p.stage) + " of " + std::to_string(stages_.size()) + ")");
+  // The optimizer of the last stage before the position that set its own (the resumed stage
+  // sets its own again in run_stage).
+  for (size_t i = std::min(first + 1, stages_.size()); i-- > 0;) {
+    if (stages_[i].has_optimizer) {
+      set_optimizer(stages_[i].optimizer);
+      break;
+    }
+  }
+  stats_.start(r.record.stats);
+  iteration_ = p.iteration;
+  steps_ = p.steps;
+  global_epoch_ = p.data_epoch;
+  valid_sums_ = r.record.valid_sums;
+  return first;
+}
+
+int64_t Learner::resume_epoch() const {
+  return resume_->record.position.stage == stage_index_ ? resume_->record.position.epoch : 0;
+}
+
+// At the resumed position, after its before_* events: callbacks, optimizer, running loss,
+// flags and, last, the random generators. Returns the batch to continue with.
+int64_t Learner::apply_resume() {
+  std::unique_ptr<PendingResume> r = std::move(resume_);
+  const FitPosition& p = r->record.position;
+  load_callback_states(*r);
+  // A stage with its own optimizer starts it fresh: nothing saved before its start applies.
+  const bool fresh_optimizer = !p.done && p.epoch == 0 && p.batch == 0 &&
+                               p.stage < static_cast<int64_t>(stages_.size()) &&
+                               stages_[static_cast<size_t>(p.stage)].has_optimizer;
+  if (!fresh_optimizer) load_optimizer_state(*r);
+  if (training_ && p.batch > num_batches_)
+    throw CheckpointError("checkpoint '" + r->path + "' stopped at batch " +
+                          std::to_string(p.batch) + " of an epoch that now has " +
+                          std::to_string(num_batches_) + ": the data changed");
+  restore_loop_state(*r);
+  next_ = p;
+  next_.stop_epoch = next_.stop_fit = false;
+  return p.batch;
+}
+
+// The optimizer's state at the position: rank 0's record, or with a sharded optimizer each
+// rank's own. A checkpoint of the other kind cannot fit: the ranks' parameter shares differ.
+void Learner::load_optimizer_state(PendingResume& r) {
+  const Collective& world = collective();
+  const bool saved_per_rank =
+      r.record.info.is_object() && r.record.info.value("optimizer_per_rank", false);
+  if (world.distributed() && saved_per_rank != per_rank_optimizer_)
+    throw CheckpointError(
+        "checkpoint '" + r.path + "' holds " +
+        (saved_per_rank ? std::string("one optimizer shard per rank (its run sharded the "
+                                      "optimizer, e.g. plugins.zero); this run does not")
+                        : std::string("one optimizer for every rank (plain data parallel); "
+                                      "this run shards it across ranks (e.g. plugins.zero)")) +
+        ": resume with the plugins it was written with");
+  if (!per_rank_optimizer_ || world.rank() == 0) {
+    archive::load_optimizer(*optimizer_, optimizer_options_.name, r.archive, r.path,
+                            " at that point");
+    return;
+  }
+  archive::InputArchive own;
+  archive::read_rank_optimizer(r.archive, world.rank(), own, device_, r.path);
+  archive::load_optimizer(*optimizer_, optimizer_options_.name, own, r.path,
+                          " (rank " + std::to_string(world.rank()) + "'s) at that point");
+}
+
+// Every saved callback state must have its callback here; each callback present reads its own.
+void Learner::load_callback_states(PendingResume& r) {
+  for (const auto& name : r.record.callbacks) {
+    const bool present = std::any_of(callbacks_.begin(), callbacks_.end(),
+                                     [&](const auto& c) { return c->name() == name; });
+    archive::InputArchive state;
+    if (!present && archive::read_callback_state(r.archive, name, state) && !state.keys().empty())
+      throw CheckpointError("checkpoint '" + r.path + "' holds the state of callback '" + name +
+                            "', which this run does not have (is its plugin configured?)");
+  }
+  for (auto& c : callbacks_) {
+    archive::InputArchive state;
+    if (!archive::read_callback_state(r.archive, c->name(), state)) continue;
+    announce_optimizer();  // an earlier load_state may have replaced it (optim_swap)
+    call_guarded(*c, "load_state", [&] { c->load_state(*this, state); });
+  }
+  announce_optimizer();  // before the optimizer's state loads into it
+}
+
+// The epoch's running loss, the stop flags and, last, the random generators.
+void Learner::restore_loop_state(PendingResume& r) {
+  const FitPosition& p = r.record.position;
+  torch::Tensor sum;
+  loss_sum_ = archive::read_loss_sum(r.archive, sum, r.path) && training_
+                  ? sum.to(device_)
+                  : torch::zeros({}, torch::TensorOptions().device(device_));
+  loss_count_ = training_ ? r.record.loss_count : 0;
+  stop_epoch_ = p.stop_epoch;
+  capped_ = !p.stop_fit && !p.done && max_steps_ > 0 && iteration_ >= max_steps_;
+  stop_fit_ = p.stop_fit || p.done || capped_;
+  if (auto rng = archive::read_rng(r.archive, device_, collective().rank(), r.path)) rng->restore();
+}
+
+}  // namespace frugal

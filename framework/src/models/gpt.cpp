@@ -1,0 +1,143 @@
+// A GPT-style decoder-only transformer over byte tokens.
+#include "models/gpt.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+namespace frugal {
+namespace {
+
+namespace nn = torch::nn;
+namespace F = torch::nn::functional;
+
+std::string gpt_str(int64_t v) { return std::to_string(v); }
+
+torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
+  return p > 0 ? F::dropout(x, F::DropoutFuncOptions().p(p).training(training)) : x;
+}
+
+/// Token plus position embeddings.
+struct EmbedImpl : nn::Module {
+  EmbedImpl(int64_t vocab, int64_t block, int64_t width, double p)
+      : p(p),
+        wte(register_module("wte", nn::Embedding(vocab, width))),
+        wpe(register_module("wpe", nn::Embedding(block, width))) {}
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    const int64_t t = tokens.size(1);
+    TORCH_CHECK(t <= wpe->weight.size(0), "gpt: a sequence of ", t,
+                " tokens is longer than the model's block_size ", wpe->weight.size(0));
+    auto pos = torch::arange(t, tokens.options().dtype(torch::kLong));
+    return drop(wte(tokens) + wpe(pos), p, is_training());
+  }
+  double p;
+  nn::Embedding wte, wpe;
+};
+TORCH_MODULE(Embed);
+
+/// Multi-head causal self-attention written with matmuls (the same in LibTorch 1.13 and 2.x).
+struct CausalSelfAttentionImpl : nn::Module {
+  CausalSelfAttentionImpl(int64_t width, int64_t heads, double p)
+      : heads(heads),
+        p(p),
+        c_attn(register_module("c_attn", nn::Linear(width, 3 * width))),
+        c_proj(register_module("c_proj", nn::Linear(width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
+    auto qkv = c_attn(x).reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4});
+    auto q = qkv[0], k = qkv[1], v = qkv[2];  // [B, H, T, D]
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+    auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
+    att = drop(torch::softmax(att.masked_fill(future, -INFINITY), -1), p, is_training());
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, w});
+    return drop(c_proj(y), p, is_training());
+  }
+  int64_t heads;
+  double p;
+  nn::Linear c_attn, c_proj;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MlpImpl : nn::Module {
+  MlpImpl(int64_t width, double p)
+      : p(p),
+        c_fc(register_module("c_fc", nn::Linear(width, 4 * width))),
+        act(register_module("act", nn::GELU())),
+        c_proj(register_module("c_proj", nn::Linear(4 * width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return drop(c_proj(act(c_fc(x))), p, is_training());
+  }
+  double p;
+  nn::Linear c_fc;
+  nn::GELU act;
+  nn::Linear c_proj;
+};
+TORCH_MODULE(Mlp);
+
+/// Pre-LayerNorm block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+struct GptBlockImpl : nn::Module {
+  GptBlockImpl(int64_t width, int64_t heads, double p)
+      : ln_1(register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({width})))),
+        attn(register_module("attn", CausalSelfAttention(width, heads, p))),
+        ln_2(register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({width})))),
+        mlp(register_module("mlp", Mlp(width, p))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+  nn::LayerNorm ln_1;
+  CausalSelfAttention attn;
+  nn::LayerNorm ln_2;
+  Mlp mlp;
+};
+TORCH_MODULE(GptBlock);
+
+bool gpt_ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+void init_gpt(nn::Sequential& m, int64_t n_layer, uint64_t seed) {
+  torch::NoGradGuard g;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(n_layer));
+  for (auto& np : m->named_parameters()) {
+    const std::string& name = np.key();
+    torch::Tensor& p = np.value();
+    const bool norm = name.find("ln_") != std::string::npos;
+    if (gpt_ends_with(name, ".bias")) {
+      p.zero_();
+    } else if (norm) {
+      p.fill_(1.0);
+    } else {
+      // Drawn on the CPU, so a CUDA model starts from the same weights.
+      auto w = torch::empty(p.sizes(), torch::kFloat);
+      w.normal_(0.0, gpt_ends_with(name, "c_proj.weight") ? residual_std : 0.02, gen);
+      p.copy_(w);
+    }
+  }
+}
+
+}  // namespace
+
+nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
+  if (in.block_size <= 0)
+    throw_config_error("model 'gpt' takes text: set data.dataset = \"text\" (tokens, not images)");
+  const int64_t block = o.block_size > 0 ? o.block_size : in.block_size;
+  if (block < in.block_size)
+    throw_config_error("model 'gpt': model.block_size = " + gpt_str(block) +
+                       " is shorter than the data's windows (data.block_size = " +
+                       gpt_str(in.block_size) + "); make it at least that, or 0 to follow the data");
+  if (o.n_embd % o.n_head != 0)
+    throw_config_error("model 'gpt': model.n_head = " + gpt_str(o.n_head) +
+                       " must divide model.n_embd = " + gpt_str(o.n_embd));
+  nn::Sequential m;
+  m->push_back("embed", Embed(in.num_classes, block, o.n_embd, o.dropout));
+  for (int64_t i = 0; i < o.n_layer; ++i)
+    m->push_back("block" + gpt_str(i), GptBlock(o.n_embd, o.n_head, o.dropout));
+  m->push_back("ln_f", nn::LayerNorm(nn::LayerNormOptions({o.n_embd})));
+  m->push_back("head", nn::Linear(nn::LinearOptions(o.n_embd, in.num_classes).bias(false)));
+  init_gpt(m, o.n_layer, in.seed);
+  return m;
+}
+
+}  // namespace frugal
