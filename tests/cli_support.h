@@ -33,8 +33,23 @@ inline std::string cli_path() {
   return ec ? "frugal" : (self.parent_path() / "frugal").string();
 }
 
+/// Tests that start the CLI are labelled `cli` (FRUGAL_CLI_SUITES in tests/CMakeLists.txt), the
+/// others `unit`, so `ctest -L unit` is the quick inner loop. A test run under the unit label
+/// (ctest sets FRUGAL_TEST_LABEL) that starts the CLI fails, naming its suite: the list stays true.
+inline void note_cli_use() {
+  const char* label = std::getenv("FRUGAL_TEST_LABEL");
+  const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (!t) return;
+  if (const char* record = std::getenv("FRUGAL_TEST_RECORD_CLI"))  // list the suites that do
+    std::ofstream(record, std::ios::app) << t->test_suite_name() << "\n";
+  if (label && std::string(label) == "unit")
+    ADD_FAILURE() << "suite " << t->test_suite_name() << " starts the frugal CLI but is labelled "
+                  << "unit: add it to FRUGAL_CLI_SUITES in tests/CMakeLists.txt";
+}
+
 /// Runs a shell command; stdout and stderr together.
 inline CliResult run_cli_command(const std::string& command) {
+  note_cli_use();
   CliResult r;
   const std::string cmd = command + " 2>&1";
   FILE* f = ::popen(cmd.c_str(), "r");
@@ -63,6 +78,7 @@ inline std::string read_text(const std::string& path) {
 /// `file_size_limit` (bytes): the child's RLIMIT_FSIZE, as `ulimit -f` would set it.
 inline pid_t start_train(const std::vector<std::string>& args, const std::string& log,
                          rlim_t file_size_limit = RLIM_INFINITY) {
+  note_cli_use();
   std::filesystem::remove(log);  // an earlier run's marker must not count
   const std::string cli = cli_path();
   std::vector<char*> argv = {const_cast<char*>(cli.c_str())};
