@@ -1,7 +1,7 @@
 #pragma once
 /// grad_clip: clips the global L2 norm of the gradients before each optimizer step
 /// (torch.nn.utils.clip_grad_norm_). A plugin built out of tree against an installed frugal.
-#include <frugal/learner.h>
+#include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 
 /// [plugins.grad_clip]: TOML keys are the field names.
@@ -16,7 +16,8 @@ class GradClip : public frugal::Callback {
   std::string name() const override { return "grad_clip"; }
 
   /// Runs after backward, before the optimizer steps: gradients are complete (and unscaled
-  /// by amp, whose order is lower). Under gradient accumulation most batches do not step.
+  /// by amp, which unscales in after_backward). Under gradient accumulation most batches do
+  /// not step; those are left alone.
   void before_step(frugal::Learner& l) override;
   void after_fit(frugal::Learner&) override;
 
