@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Data parallel on this machine, measured: for the README's models (the side-by-side MLP, the
+# Data parallel on this machine, measured: for the docs' models (the side-by-side MLP, the
 # quick start's CNN, the gpt example), `frugal train` on 1 process and with --nproc 2 (two ranks
 # on loopback, Gloo): median step time, samples/s, bytes all-reduced per step, each rank's peak.
 # Then, on paper, the alpha-beta estimate of a ring all-reduce of the same gradients on 8 and
-# 64 GPUs over NVLink and InfiniBand. Prints Markdown; the README's table is its output:
+# 64 GPUs over NVLink and InfiniBand. Prints Markdown; docs/data-parallel.md's table is its output:
 #
 #   bash benchmarks/data_parallel.sh [BUILD_DIR] > benchmarks/data_parallel.md
 #

@@ -1,7 +1,7 @@
 # Run by ctest (a TEST_INCLUDE_FILES script, see tests/CMakeLists.txt): one test per gtest test
 # suite of FRUGAL_TEST_BINARY, `--gtest_filter=Suite.*`, listed from the binary at ctest time.
-# A LibTorch process needs about a second to start (twice that under ASan): 90 suites start
-# 90 processes where 316 tests started 316. Suites named in FRUGAL_ISOLATED_SUITES keep one
+# A LibTorch process needs about a second to start (twice that under ASan): 119 suites start
+# 119 processes where 411 tests would start 411. Suites named in FRUGAL_ISOLATED_SUITES keep one
 # process per test (their tests need a fresh process).
 #
 # Labels: a suite in FRUGAL_CLI_SUITES starts the `frugal` CLI (label `cli`), any other is
