@@ -168,7 +168,7 @@ void print_key_table(const std::string& section, const nlohmann::json& fields) {
 }
 
 // Every key of the run configuration with its type, default, allowed values and help:
-// the README's configuration reference is this command's output.
+// docs/configure.md's reference is this command's output.
 int run_keys(bool json) {
   const nlohmann::json all = all_keys();
   if (json) {

@@ -143,8 +143,8 @@ void Amp::after_backward(frugal::Learner& l) {
   for (const auto& p : l.model()->parameters())
     if (p.grad().defined()) grads.push_back(p.grad());
   const double scale = scaler_.scale();
-  // Every rank must skip the same steps: with gradients sharded across data-parallel ranks
-  // (plugins.zero stage 2) each rank sees only its own share, so the verdict is the ranks' any.
+  // Every rank must skip the same steps, and a rank may hold only its share of the gradients
+  // (a sharded sync): the verdict is the ranks' any.
   const bool found_inf = l.collective().any(scaler_.unscale(grads));
   scaler_.update(found_inf);
   if (found_inf) {

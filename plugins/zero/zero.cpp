@@ -204,9 +204,11 @@ void Zero::shard_optimizer(frugal::Learner& l) {
   auto sharded = frugal::make_optimizer(o, mine);
   // The lr and momentum the schedule set for this batch, not the configured ones.
   auto& groups = l.optimizer().param_groups();
-  if (!groups.empty() && !sharded->param_groups().empty() &&
-      typeid(groups[0].options()) == typeid(sharded->param_groups()[0].options()))
-    sharded->param_groups()[0].set_options(groups[0].options().clone());
+  if (!groups.empty() && !sharded->param_groups().empty()) {
+    const torch::optim::OptimizerOptions& from = groups[0].options();
+    const torch::optim::OptimizerOptions& to = sharded->param_groups()[0].options();
+    if (typeid(from) == typeid(to)) sharded->param_groups()[0].set_options(from.clone());
+  }
   auto& old = l.optimizer().state();
   for (const auto& p : mine) {
     auto it = old.find(frugal::compat::optimizer_state_key(p));

@@ -21,6 +21,13 @@ for f in bin/frugal include/frugal/plugin.h lib/cmake/frugal/frugalConfig.cmake 
   [[ -e $prefix/$f ]] || fail "$f was not installed"
 done
 
+step "cmake --install $build --component sdk: the SDK's headers without the app layer"
+"$cmake" --install "$build" --prefix "$tmp/sdk" --component sdk > "$tmp/install-sdk.log"
+[[ -e $tmp/sdk/include/frugal/plugin.h && -e $tmp/sdk/include/frugal/core/learner.h ]] ||
+  fail "the sdk component lacks frugal/plugin.h or frugal/core/learner.h"
+[[ ! -e $tmp/sdk/include/frugal/app && ! -e $tmp/sdk/include/frugal/frugal.h ]] ||
+  fail "the sdk component installed the app layer"
+
 step "configure and build examples/custom_plugin against $prefix"
 "$cmake" -S "$src/examples/custom_plugin" -B "$tmp/grad-clip" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }

@@ -106,7 +106,7 @@ class Options {
 };
 
 /// The fields of `o` as JSON: [{key, type, default, help, allowed}], for `frugal plugins`
-/// and the README. Reads the current values as defaults.
+/// and docs/configure.md. Reads the current values as defaults.
 nlohmann::json describe_options(Options& o);
 /// The current values of `o` as a JSON object (nested tables as objects).
 nlohmann::json options_to_json(Options& o);

@@ -70,7 +70,6 @@ class TraceCallback : public Callback {
   /// Open spans by kind: start time, step; -1 = not open.
   int64_t open_start_[5] = {-1, -1, -1, -1, -1};
   int64_t open_step_[5] = {0, 0, 0, 0, 0};
-  int64_t open_peak_start_[5] = {0, 0, 0, 0, 0};
 };
 
 }  // namespace frugal
