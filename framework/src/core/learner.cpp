@@ -94,6 +94,7 @@ void Learner::clear_callbacks() {
 
 void Learner::fire(Event e) {
   event_ = e;
+  record_before(e);
   const bool reverse = is_after(e);
   const std::string_view where = to_string(e);
   const size_t n = callbacks_.size();
@@ -102,6 +103,7 @@ void Learner::fire(Event e) {
     Callback& cb = *callbacks_[reverse ? callbacks_.size() - 1 - k : k];
     call_guarded(cb, where, [&] { cb.dispatch(e, *this); });
   }
+  record_after(e);
 }
 
 void Learner::announce_optimizer() {

@@ -16,10 +16,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 bool has_gradients(torch::nn::Module& m) {
   for (const auto& p : m.parameters())
     if (p.grad().defined()) return true;
@@ -132,7 +128,7 @@ size_t Learner::start_fit(const std::vector<Stage>& stages) {
   iteration_ = steps_ = 0;
   const size_t first_stage = resume_ ? prepare_resume() : 0;
   stop_fit_ = stop_epoch_ = capped_ = false;
-  next_ = FitPosition{static_cast<int64_t>(first_stage), 0, 0, global_epoch_, iteration_, steps_};
+  cursor_at(static_cast<int64_t>(first_stage), 0, global_epoch_);
   model_->train();
   micro_.start_fit();
   return first_stage;
@@ -158,11 +154,7 @@ void Learner::setup_stage(const Stage& s) {
 
 void Learner::run_stage(const Stage& s) {
   setup_stage(s);
-  stats_.begin_stage(static_cast<size_t>(stage_index_), s.name);  // a resumed stage continues
   fire(Event::BeforeStage);
-  // The stage's peak is what the stage holds from here: what a before_stage hook released (a
-  // purge, an optimizer swap) is not charged to the new stage.
-  stage_window_.reset();
   if (oom_.auto_micro_batch) {
     micro_.probed(s.name, find_micro_batch());
     stage_window_.reset();  // the probe's failed attempts touch the budget: not the stage's peak
@@ -173,8 +165,7 @@ void Learner::run_stage(const Stage& s) {
     epoch_ = e;
     run_epoch();
   }
-  stats_.note_stage_peak(stage_window_.peak());
-  next_ = FitPosition{stage_index_ + 1, 0, 0, global_epoch_, iteration_, steps_};
+  cursor_at(stage_index_ + 1, 0, global_epoch_);
   fire(Event::AfterStage);
 }
 
@@ -187,7 +178,7 @@ void Learner::start_epoch() {
   loss_count_ = 0;
   stop_epoch_ = false;
   num_batches_ = train_.num_batches();
-  next_ = FitPosition{stage_index_, epoch_, 0, global_epoch_ - 1, iteration_, steps_};
+  cursor_at(stage_index_, epoch_, global_epoch_ - 1);
 }
 
 void Learner::run_epoch() {
@@ -201,20 +192,14 @@ void Learner::run_epoch() {
   }
   train_started_ = Clock::now();
   if (run) run_batches(first);
-  stats_.stage().train_seconds += seconds_since(train_started_);
-  stats_.stage().last_epoch_loss = epoch_loss();
   reset_batch_state();
-  stats_.end_epoch();
   fire(Event::AfterTrain);
   training_ = false;
 
   // A fit the step cap ends on an epoch's last batch has trained that whole epoch: validated.
   const bool whole_epoch = capped_ && next_.batch >= num_batches_;
-  if (valid_ && (!stop_fit_ || whole_epoch)) {
-    stats_.stage().valid_accuracy = validate();
-    stats_.stage().valid_loss = valid_sums_.mean_loss();
-  }
-  next_ = FitPosition{stage_index_, epoch_ + 1, 0, global_epoch_, iteration_, steps_};
+  if (valid_ && (!stop_fit_ || whole_epoch)) validate();
+  cursor_at(stage_index_, epoch_ + 1, global_epoch_);
   next_.stop_fit = stop_fit_;
   fire(Event::AfterEpoch);
 }
@@ -235,31 +220,26 @@ void Learner::run_batches(int64_t first) {
 // ---------------------------------------------------------------- a training batch
 
 void Learner::train_batch(const Batch& b) {
-  const int64_t stage_batch = static_cast<int64_t>(stats_.stage().step_seconds.size());
-  const auto t0 = Clock::now();
   reset_batch_state();
   x_ = b.x;
   y_ = b.y;
+  rec_.batch_samples = b.total_size();  // data parallel: the step's samples on every rank
   fire(Event::BeforeBatch);
-  BatchMemory mem;
-  if (!skip_batch_) mem = run_micro_batches();
+  if (!skip_batch_) run_micro_batches();
   if (!skip_batch_) run_step();
   if (loss_.defined()) {
     loss_sum_ += loss_.detach().to(torch::kFloat);
     ++loss_count_;
   }
-  complete_batch(b, seconds_since(t0));
+  advance_cursor();
   fire(Event::AfterBatch);
-  if (stats_.wants_steady() && !skip_batch_ && mem.forward_peak > 0) measure_steady(mem, stage_batch);
 }
 
 // The batch (as before_batch left it) runs as one or several micro-batches, each forward, loss
 // and backward; an out-of-memory error retries at a smaller size (recover_from_oom).
-BatchMemory Learner::run_micro_batches() {
+void Learner::run_micro_batches() {
   const torch::Tensor bx = x_, by = y_;
   const int64_t n = by.size(0);
-  BatchMemory mem;
-  mem.live_before_forward = memory().current();
   // Gradients of earlier batches (accumulation): a failed backward cannot be undone then.
   const bool grads_at_start = oom_.retry && has_gradients(*model_);
   torch::Tensor batch_loss;  // the batch's mean loss, for logging
@@ -269,7 +249,7 @@ BatchMemory Learner::run_micro_batches() {
     const int64_t len = std::min(mbs, n - begin);
     micro_count_ = micro_index_ + (n - begin + mbs - 1) / mbs;
     enter_micro_batch(bx, by, begin, len);
-    const MicroAttempt a = attempt_micro_batch(mem);
+    const MicroAttempt a = attempt_micro_batch();
     if (a.oom) {
       recover_from_oom({a.phase, batch_index_, iteration_, mbs, n, ++failures, grads_at_start,
                         memory().budget(), *a.oom});
@@ -292,8 +272,6 @@ BatchMemory Learner::run_micro_batches() {
   x_ = bx;
   y_ = by;
   if (batch_loss.defined()) loss_ = batch_loss;  // the batch's loss, as one pass would give it
-  if (stats_.wants_steady()) mem.gradients = gradient_bytes(*model_);  // for measure_steady
-  return mem;
 }
 
 // The micro-batch [begin, begin + len) of the batch (bx, by) becomes the current one.
@@ -309,27 +287,25 @@ void Learner::enter_micro_batch(const torch::Tensor& bx, const torch::Tensor& by
 }
 
 // One attempt at the current micro-batch: forward, loss, backward, then after_backward.
-Learner::MicroAttempt Learner::attempt_micro_batch(BatchMemory& mem) {
+Learner::MicroAttempt Learner::attempt_micro_batch() {
   MicroAttempt a;
-  a.oom = catch_oom([&] { a.ran = forward_backward(mem, a.phase); });
+  a.oom = catch_oom([&] { a.ran = forward_backward(a.phase); });
   // after_backward: data parallel all-reduces there, on the last micro-batch. A retry stays
   // on its rank (the only collectives of a batch come after a rank's last micro-batch, and
   // each rank reaches that once); an out-of-memory error inside the all-reduce could not be
   // retried on one rank alone (its buckets are on the wire): it ends the fit there.
   if (!a.oom && a.ran) {
     if (collective().distributed())
-      finish_backward();
+      fire(Event::AfterBackward);
     else
-      a.oom = catch_oom([&] { finish_backward(); });
+      a.oom = catch_oom([&] { fire(Event::AfterBackward); });
   }
   return a;
 }
 
-// One micro-batch's forward (with the loss) and backward, each phase's peak noted. False when a
-// callback skipped the batch before backward. `phase` says where an exception left it.
-bool Learner::forward_backward(BatchMemory& mem, OomError::Phase& phase) {
-  const int64_t live = memory().current();
-  phase_window_.reset();
+// One micro-batch's forward (with the loss) and backward. False when a callback skipped the
+// batch before backward. `phase` says where an exception left it.
+bool Learner::forward_backward(OomError::Phase& phase) {
   fire(Event::BeforeForward);
   pred_ = forward(x_);
   fire(Event::AfterForward);
@@ -338,27 +314,16 @@ bool Learner::forward_backward(BatchMemory& mem, OomError::Phase& phase) {
   // The loss's graph holds what backward needs; the prediction itself (a language model's
   // logits: batch x tokens x vocabulary) is free during backward unless a callback keeps it.
   if (!keep_pred_) pred_ = torch::Tensor();
-  const int64_t forward_peak = phase_window_.peak();
-  note_phase_peak(Phase::Forward, forward_peak);
-  mem.forward_peak = std::max(mem.forward_peak, forward_peak - live + mem.live_before_forward);
   if (skip_batch_) return false;
 
-  phase_window_.reset();
   fire(Event::BeforeBackward);
   phase = OomError::Phase::Backward;  // from here gradients may hold part of this micro-batch
-  // (finish_backward fires after_backward once the ranks agree no one ran out of memory)
+  // (after_backward fires once the ranks agree no one ran out of memory)
   backward();
   return true;
 }
 
-void Learner::finish_backward() {
-  fire(Event::AfterBackward);
-  note_phase_peak(Phase::Backward, phase_window_.peak());
-}
-
-
 void Learner::run_step() {
-  phase_window_.reset();
   fire(Event::BeforeStep);
   announce_optimizer();  // the last before_step hook may have replaced it
   if (!skip_step_ && !skip_batch_) {
@@ -371,17 +336,8 @@ void Learner::run_step() {
     ++steps_;
     fire(Event::AfterStep);
   }
-  note_phase_peak(Phase::Step, phase_window_.peak());
 }
 
-// The steady state: nothing is walked once the stage has it.
-void Learner::measure_steady(const BatchMemory& mem, int64_t stage_batch) {
-  int64_t held = 0;  // callbacks' histories and caches: a column, not part of "other"
-  for (const auto& cb : callbacks_) held += cb->held_bytes();
-  stats_.offer_steady(steady_breakdown(mem, parameter_bytes(*model_),
-                                       optimizer_state_bytes(*optimizer_), data_bytes(), held),
-                      stage_batch);
-}
 
 // After the catch block: the batch's tensors go, caches are released, then the policy decides
 // (OomError, or a retry at half the micro-batch).
@@ -409,10 +365,11 @@ void Learner::recover_from_oom(const OomEvent& e) {
                e.message);
 }
 
-void Learner::complete_batch(const Batch& b, double seconds) {
-  StageStats& st = stats_.stage();
-  st.step_seconds.push_back(seconds);
-  st.samples += b.total_size();  // data parallel: the step's samples on every rank
+void Learner::cursor_at(int64_t stage, int64_t epoch, int64_t data_epoch) {
+  next_ = FitPosition{stage, epoch, 0, data_epoch, iteration_, steps_};
+}
+
+void Learner::advance_cursor() {
   next_.batch = batch_index_ + 1;
   next_.iteration = iteration_ + 1;
   next_.steps = steps_;
@@ -426,12 +383,10 @@ double Learner::validate() {
   WindowScope window(phase_window_);
   const bool was_training = model_->is_training();
   model_->eval();
-  phase_window_.reset();
   fire(Event::BeforeValidate);
   valid_sums_ = score(*valid_, [this](const torch::Tensor& x) { return forward(x); }, device_);
   sum_across_ranks(collective(), valid_sums_);  // data parallel: each rank scored its shard
   fire(Event::AfterValidate);
-  note_phase_peak(Phase::Validate, phase_window_.peak());
   if (was_training) model_->train();
   return valid_accuracy();
 }

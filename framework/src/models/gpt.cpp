@@ -19,8 +19,8 @@ torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
 
 /// Token plus position embeddings.
 struct EmbedImpl : nn::Module {
-  EmbedImpl(int64_t vocab, int64_t block, int64_t width, double p)
-      : p(p),
+  EmbedImpl(int64_t vocab, int64_t block, int64_t width, double dropout)
+      : p(dropout),
         wte(register_module("wte", nn::Embedding(vocab, width))),
         wpe(register_module("wpe", nn::Embedding(block, width))) {}
   torch::Tensor forward(const torch::Tensor& tokens) {
@@ -37,9 +37,9 @@ TORCH_MODULE(Embed);
 
 /// Multi-head causal self-attention written with matmuls (the same in LibTorch 1.13 and 2.x).
 struct CausalSelfAttentionImpl : nn::Module {
-  CausalSelfAttentionImpl(int64_t width, int64_t heads, double p)
-      : heads(heads),
-        p(p),
+  CausalSelfAttentionImpl(int64_t width, int64_t n_head, double dropout)
+      : heads(n_head),
+        p(dropout),
         c_attn(register_module("c_attn", nn::Linear(width, 3 * width))),
         c_proj(register_module("c_proj", nn::Linear(width, width))) {}
   torch::Tensor forward(const torch::Tensor& x) {
@@ -59,8 +59,8 @@ struct CausalSelfAttentionImpl : nn::Module {
 TORCH_MODULE(CausalSelfAttention);
 
 struct MlpImpl : nn::Module {
-  MlpImpl(int64_t width, double p)
-      : p(p),
+  MlpImpl(int64_t width, double dropout)
+      : p(dropout),
         c_fc(register_module("c_fc", nn::Linear(width, 4 * width))),
         act(register_module("act", nn::GELU())),
         c_proj(register_module("c_proj", nn::Linear(4 * width, width))) {}

@@ -286,7 +286,7 @@ class Learner {
   void run_batches(int64_t first);
   void train_batch(const Batch& b);
   void reset_batch_state();
-  BatchMemory run_micro_batches();
+  void run_micro_batches();
   /// What one micro-batch's forward and backward came to: it ran, a callback skipped the batch
   /// after its forward, or it ran out of memory (the message, and the phase it was in).
   struct MicroAttempt {
@@ -296,16 +296,23 @@ class Learner {
   };
   void enter_micro_batch(const torch::Tensor& bx, const torch::Tensor& by, int64_t begin,
                          int64_t len);
-  MicroAttempt attempt_micro_batch(BatchMemory& mem);
+  MicroAttempt attempt_micro_batch();
   /// Tells the callbacks of an optimizer replaced since they last heard (optimizer_replaced).
   void announce_optimizer();
-  bool forward_backward(BatchMemory& mem, OomError::Phase& phase);
-  void finish_backward();
+  bool forward_backward(OomError::Phase& phase);
   void run_step();
-  void measure_steady(const BatchMemory& mem, int64_t stage_batch);
   void recover_from_oom(const OomEvent& e);
+  /// The cursor (next_): where a checkpoint taken now would resume. cursor_at: the start of
+  /// `epoch` of `stage` (data order `data_epoch`); advance_cursor: the batch after this one.
+  void cursor_at(int64_t stage, int64_t epoch, int64_t data_epoch);
+  void advance_cursor();
+  /// The recorder (learner_record.cpp): the statistics and memory windows of each event, kept
+  /// before any callback's hook and after the last (the outermost place, as fastai's Recorder),
+  /// so the loop only fires events. Nothing of it is saved: FitStats travels with checkpoints.
+  void record_before(Event e);
+  void record_after(Event e);
+  void measure_steady();
   void note_phase_peak(Phase p, int64_t bytes) { stats_.note_phase_peak(p, bytes); }
-  void complete_batch(const Batch& b, double seconds);
   ProbeResult probe_micro_batch(const Batch& b, int64_t m);
   size_t prepare_resume();
   int64_t resume_epoch() const;
@@ -352,6 +359,14 @@ class Learner {
   int64_t max_steps_ = 0;
   int64_t global_epoch_ = 0;  // across stages: the data order of each epoch differs
   std::chrono::steady_clock::time_point train_started_{};  // this epoch's training batches began
+  struct Recording {  // the recorder's view of the batch under way
+    std::chrono::steady_clock::time_point batch_started{};
+    int64_t stage_batch = 0;    // its index among the stage's timed batches
+    int64_t batch_samples = 0;  // its samples on every rank (data parallel)
+    int64_t forward_live = 0;   // live bytes when the micro-batch's forward began
+    bool stepping = false;      // the step's phase window is open
+    BatchMemory mem;            // for the steady state
+  } rec_;
   bool destroyed_ = false;
   FitPosition next_;  // the next batch to run, kept current by the loop
   std::unique_ptr<PendingResume> resume_;  // set by load_checkpoint, consumed by fit
