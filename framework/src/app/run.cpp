@@ -241,17 +241,33 @@ void add_safety_nets(const Config& c, Learner& l) {
     l.add_callback(std::make_shared<EarlyStopping>(
         monitor("run.early_stopping", c.run.early_stopping, c.run.min_delta), c.run.patience));
 }
+
+// Periodic checkpoints and a stop's share one history: a stop seals it.
+void add_checkpointing(const Config& c, Learner& l, const StopRequest* stop) {
+  auto history = std::make_shared<CheckpointHistory>(checkpoint_path(c.run), c.run.keep_checkpoints);
+  if (c.run.checkpoint_every > 0 || c.run.checkpoint_epochs > 0) {
+    auto writer = std::make_shared<CheckpointWriter>(checkpoint_path(c.run), c.run.checkpoint_every,
+                                                     c.run.checkpoint_epochs, checkpoint_info(c),
+                                                     spdlog::default_logger());
+    writer->set_history(history);
+    l.add_callback(writer);
+  }
+  if (stop)
+    l.add_callback(std::make_shared<StopCallback>(*stop, history, checkpoint_info(c),
+                                                  spdlog::default_logger()));
+}
 }  // namespace
 
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) {
   check_config(c);
   if (c.run.threads > 0) set_threads(c.run.threads);
   torch::manual_seed(static_cast<uint64_t>(c.run.seed));
+  World& world = World::get();
   torch::Device device = resolve_device(c.run.device);
   // Data parallel on CUDA: each rank of a machine on its own GPU.
-  if (World::get().distributed() && device.is_cuda())
+  if (world.distributed() && device.is_cuda())
     device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
-                                             World::get().local_rank() % torch::cuda::device_count()));
+                                             world.local_rank() % torch::cuda::device_count()));
   MemoryMeter::get().set_device(device);
 
   Dataset train = named(c, "data", [&] { return make_dataset(c.data, true); });
@@ -263,7 +279,6 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   LossFn loss = make_loss(c.loss);
   DataLoader train_loader(std::move(train), c.data.batch_size, c.data.shuffle,
                           static_cast<uint64_t>(c.run.seed), device);
-  World& world = World::get();
   if (world.distributed()) {  // each rank its shard of every batch; data.batch_size is global
     named(c, "data.batch_size", [&] { train_loader.set_shard(world.rank(), world.size()); });
     if (valid)
@@ -273,18 +288,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
                                            std::move(valid), c.optimizer, std::move(loss), device);
   if (world.distributed()) learner->set_collective(world);
   learner->set_max_batches(c.run.max_steps);
-  // One history for the periodic checkpoints and a stop's: a stop seals it.
-  auto history = std::make_shared<CheckpointHistory>(checkpoint_path(c.run), c.run.keep_checkpoints);
-  if (c.run.checkpoint_every > 0 || c.run.checkpoint_epochs > 0) {
-    auto writer = std::make_shared<CheckpointWriter>(checkpoint_path(c.run), c.run.checkpoint_every,
-                                                     c.run.checkpoint_epochs, checkpoint_info(c),
-                                                     spdlog::default_logger());
-    writer->set_history(history);
-    learner->add_callback(writer);
-  }
-  if (stop)
-    learner->add_callback(std::make_shared<StopCallback>(*stop, history, checkpoint_info(c),
-                                                         spdlog::default_logger()));
+  add_checkpointing(c, *learner, stop);
   if (world.distributed())
     learner->add_callback(std::make_shared<DataParallel>(c.distributed.bucket_size.bytes));
   if (world.is_main())  // rank 0 writes the run's files
