@@ -36,7 +36,7 @@ plugin=$tmp/grad-clip/libfrugal_grad_clip.so
 [[ -f $plugin ]] || fail "the build did not produce $plugin"
 # Hidden visibility: the factory table is exported, the plugin's own classes are not (std::
 # and LibTorch templates with default visibility may be).
-nm -D --defined-only "$plugin" | grep -qw frugal_plugin || fail "$plugin does not export frugal_plugin"
+nm -D --defined-only "$plugin" | grep -w frugal_plugin > /dev/null || fail "$plugin does not export frugal_plugin"
 if nm -DC --defined-only "$plugin" | grep -E 'GradClip'; then fail "the plugin's own symbols are exported"; fi
 
 step "frugal train examples/custom_plugin/train.toml (from an unrelated folder)"
