@@ -44,15 +44,13 @@ std::string joined(const std::vector<std::string>& v) {
 
 /// `check --checkpoint FILE`: each file's seal, resume record and weights load into the
 /// config's model (what a resume reads first). Exit code 1 if any does not.
-int check_checkpoints(const std::vector<std::string>& files, const frugal::ConfigWithPlugins& loaded,
+int check_checkpoints(const std::vector<std::string>& files, frugal::Learner& learner,
                       spdlog::logger& log) {
-  if (files.empty()) return 0;
-  auto learner = frugal::make_learner(loaded.config);
   int rc = 0;
   for (const auto& f : files) {
     try {
       const nlohmann::json p = frugal::Learner::read_checkpoint(f)["position"];
-      learner->load(f, /*with_opt=*/false);
+      learner.load(f, /*with_opt=*/false);
       if (p.value("done", false))
         log.info("{}: OK ({} steps; the fit's end)", f, p.value("steps", 0));
       else
@@ -72,9 +70,13 @@ int run_check(const Common& opt, spdlog::logger& log) {
   const frugal::ConfigWithPlugins loaded = frugal::load_config_with_plugins(opt.config, opt.sets);
   const frugal::Config& cfg = loaded.config;
   frugal::preflight(cfg, loaded.host->loaded());  // the folder, freeze prefixes, the budget
+  // What `train` builds before its first step (data, model, callbacks, stages), nothing written:
+  // check refuses what train would.
+  auto learner = frugal::make_checked_learner(cfg);
+  for (const auto& cb : loaded.callbacks) learner->add_callback(cb);
   log.info("{}: OK ({} stage(s), model {}, dataset {}, plugins: {})", opt.config, cfg.stages.size(),
            cfg.model.arch, cfg.data.dataset, joined(loaded.host->loaded()));
-  return check_checkpoints(opt.checkpoints, loaded, log);
+  return check_checkpoints(opt.checkpoints, *learner, log);
 }
 
 int run_plugins(const std::vector<std::string>& paths, bool json) {

@@ -361,18 +361,26 @@ std::string claim_run_folder(const TrainArgs& a, const ConfigWithPlugins& loaded
 
 int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   if (auto rc = launch_if_asked(a, *log)) return *rc;
-  // Everything the config names is validated, and the output folder probed, before any work.
-  // `loaded` outlives the learner: what a plugin registered dies before its library.
+  // A stop from here on is a clean one: before the run folder is claimed nothing is written.
+  StopRequest::install(stop_signals("none"));
+  // Everything the config names is validated, the output folder probed and the learner built
+  // (data, model, callbacks, the stages checked) before the folder is claimed: a refused run
+  // leaves no folder, lock or report. `loaded` outlives the learner: what a plugin registered
+  // dies before its library.
   const ConfigWithPlugins loaded = load_config_with_plugins(a.config, a.sets);
   const Config& cfg = loaded.config;
+  StopRequest::install(stop_signals(cfg.run.preempt_signal));
   preflight(cfg, loaded.host->loaded());
   join_world(cfg, log);
   const World& world = World::get();
+  auto learner = make_checked_learner(cfg, &StopRequest::process());
+  if (StopRequest::process().requested() && !world.distributed()) {
+    log->warn("stopped by {} before the run started: nothing was written",
+              signal_name(StopRequest::process().signal()));
+    return kExitInterrupted;
+  }
   std::optional<RunLock> lock;
   const std::string checkpoint = claim_run_folder(a, loaded, *log, lock);
-  StopRequest::install(stop_signals(cfg.run.preempt_signal));
-
-  auto learner = make_learner(cfg, &StopRequest::process());
   for (auto& cb : loaded.callbacks) learner->add_callback(cb);
   log->info("plugins: {}", joined(loaded.host->loaded()));
   if (!checkpoint.empty()) load_resume(*learner, checkpoint, *log);

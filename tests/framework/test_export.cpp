@@ -20,7 +20,7 @@ std::string run_config(const std::string& out_dir, const std::string& arch = "ml
   return "[run]\nout_dir = \"" + out_dir + "\"\nprogress = \"none\"\nthreads = 1\n"
          "[data]\ndataset = \"synthetic\"\nsamples = 64\nimage_size = 8\nclasses = 4\n"
          "batch_size = 16\nvalid_samples = 32\n"
-         "[model]\narch = \"" + arch + "\"\nwidth = 8\ndepth = 1\n"
+         "[model]\narch = \"" + arch + "\"\nwidth = 8\n" + (arch == "cnn" ? "" : "depth = 1\n") +
          "[[stages]]\nname = \"only\"\nepochs = 1\n";
 }
 

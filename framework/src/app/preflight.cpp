@@ -41,15 +41,22 @@ const StageOptions& first_stage(const Config& c) {
   return c.stages.empty() ? none : c.stages.front();
 }
 
-// The text corpus as text_dataset splits it (the last tenth validates) and head() cuts it.
+// The text corpus as the text dataset splits it (the last tenth validates, or data.valid_path
+// does) and head() cuts it.
 int64_t text_bytes(const DataOptions& d) {
-  int64_t n = 0;
-  std::error_code ec;
-  for (const auto& f : text_files(d.paths)) {
-    const auto size = fs::file_size(f, ec);
-    if (!ec) n += static_cast<int64_t>(size);
-  }
-  const int64_t n_valid = n / 10, n_train = n - n_valid;
+  const auto bytes_of = [](const std::vector<std::string>& paths) {
+    int64_t n = 0;
+    std::error_code ec;
+    for (const auto& f : text_files(paths)) {
+      const auto size = fs::file_size(f, ec);
+      if (!ec) n += static_cast<int64_t>(size);
+    }
+    return n;
+  };
+  const int64_t n = bytes_of(d.paths);
+  const bool held_out = !d.valid_path.empty();
+  const int64_t n_valid = held_out ? (d.valid_samples < 0 ? 0 : bytes_of({d.valid_path})) : n / 10;
+  const int64_t n_train = held_out ? n : n - n_valid;
   const auto kept = [&](int64_t bytes, int64_t windows) {
     return windows > 0 && windows * d.block_size + 1 < bytes ? windows * d.block_size + 1 : bytes;
   };
@@ -109,7 +116,7 @@ int64_t estimated_data_bytes(const Config& c) {
       try {
         shape = idx_shape(fashion_mnist_images(d.path, train));
       } catch (const DataError& e) {
-        throw ConfigError(c.source + ": data.path: " + e.what());
+        throw ConfigError(c.where("data.path") + ": data.path: " + e.what());
       }
       int64_t pixels = 1;
       for (size_t i = 1; i < shape.size(); ++i) pixels *= shape[i];
@@ -123,8 +130,8 @@ int64_t estimated_data_bytes(const Config& c) {
            (d.valid_samples < 0 ? 0 : image_bytes(std::max<int64_t>(d.samples / 4, 1), d.valid_samples, pixels));
   }
   if (d.dataset == "text") return text_bytes(d);
-  if (d.dataset == "image_folder") return image_folder_bytes(d, c.source);
-  if (d.dataset == "csv") return csv_bytes(d, c.source);
+  if (d.dataset == "image_folder") return image_folder_bytes(d, c.where("data.path"));
+  if (d.dataset == "csv") return csv_bytes(d, c.where("data.path"));
   return 0;
 }
 
@@ -164,21 +171,54 @@ HeldBytes estimate_held_bytes(const Config& c) {
   return held_bytes(c, *model);
 }
 
-void check_out_dir(const Config& c) {
-  const std::string what = c.source + ": run.out_dir: output folder '" + c.run.out_dir + "' ";
-  // The nearest part of the path that exists must be a folder this process can write in.
+namespace {
+
+// The longest name one folder entry may have where `dir` is, and the longest path.
+void check_name_lengths(const std::string& what, const fs::path& path, const fs::path& existing) {
+  const long name_max = ::pathconf(existing.c_str(), _PC_NAME_MAX);
+  const long path_max = ::pathconf(existing.c_str(), _PC_PATH_MAX);
+  for (const auto& part : path)
+    if (name_max > 0 && static_cast<long>(part.string().size()) > name_max)
+      throw ConfigError(what + "has a name of " + std::to_string(part.string().size()) +
+                        " bytes, more than the " + std::to_string(name_max) + " this file system "
+                        "allows for one name; use a shorter one");
+  if (path_max > 0 && static_cast<long>(path.string().size()) >= path_max)
+    throw ConfigError(what + "is a path of " + std::to_string(path.string().size()) +
+                      " bytes, more than the " + std::to_string(path_max - 1) + " allowed; use a "
+                      "shorter one");
+}
+
+// The nearest part of `path` (of its folder, for a file) that exists must be a folder this
+// process can write in (probed with a temporary folder, removed again), and every name on it
+// short enough.
+void check_creatable(const std::string& what, const std::string& path, bool file, const std::string& fix) {
   std::error_code ec;
-  fs::path existing = fs::absolute(c.run.out_dir, ec);
+  const fs::path absolute = fs::absolute(path, ec);
+  fs::path existing = file ? absolute.parent_path() : absolute;
   while (!fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
     existing = existing.parent_path();
   if (!fs::is_directory(existing, ec))
-    throw ConfigError(what + "cannot be created: '" + existing.string() +
-                      "' is not a folder; set run.out_dir to a writable folder");
+    throw ConfigError(what + "cannot be created: '" + existing.string() + "' is not a folder; " + fix);
+  check_name_lengths(what, absolute, existing);
   std::string probe = (existing / ".frugal-check.XXXXXX").string();
   if (!::mkdtemp(probe.data()))
     throw ConfigError(what + "cannot be created or written: '" + existing.string() + "': " +
-                      std::strerror(errno) + "; set run.out_dir to a writable folder");
+                      std::strerror(errno) + "; " + fix);
   fs::remove(probe, ec);
+}
+
+}  // namespace
+
+void check_out_dir(const Config& c) {
+  check_creatable(c.where("run.out_dir") + ": run.out_dir: output folder '" + c.run.out_dir + "' ", c.run.out_dir, false,
+                  "set run.out_dir to a writable folder");
+  if (c.run.trace.empty()) return;
+  const std::string what = c.where("run.trace") + ": run.trace: trace file '" + c.run.trace + "' ";
+  std::error_code ec;
+  if (fs::is_directory(c.run.trace, ec))
+    throw ConfigError(what + "is a folder; name a file (e.g. '" +
+                      (fs::path(c.run.trace) / "trace.json").string() + "')");
+  check_creatable(what, c.run.trace, true, "set run.trace to a file in a writable folder");
 }
 
 void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
@@ -190,7 +230,7 @@ void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
   try {
     check_freeze_prefixes(*model, c.stages);
   } catch (const ConfigError& e) {
-    throw ConfigError(c.source + ": stages.freeze: " + e.what());
+    throw ConfigError(c.where("stages") + ": stages.freeze: " + e.what());
   }
   const int64_t budget = c.run.memory_budget.bytes;
   if (budget <= 0) return;
@@ -200,7 +240,7 @@ void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
   if (h.data_on_device) parts += ", data " + format_bytes(h.data);
   if (!plugins_on.empty()) {  // a plugin may change the first step: only what precedes it
     if (h.before_training() <= budget) return;
-    throw ConfigError(c.source + ": run.memory_budget = " + format_bytes(budget) +
+    throw ConfigError(c.where("run.memory_budget") + ": run.memory_budget = " + format_bytes(budget) +
                       " is below what the run holds before its first batch, estimated from the "
                       "config's shapes: " + parts + " = " + format_bytes(h.before_training()) +
                       "; raise the budget or shrink the model or data");
@@ -208,7 +248,7 @@ void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
   if (h.total() <= budget) return;
   parts += ", gradients " + format_bytes(h.gradients) + ", optimizer state (" + h.optimizer + ") " +
            format_bytes(h.optimizer_state);
-  throw ConfigError(c.source + ": run.memory_budget = " + format_bytes(budget) +
+  throw ConfigError(c.where("run.memory_budget") + ": run.memory_budget = " + format_bytes(budget) +
                     " is below what the run holds at its first step, estimated from the "
                     "config's shapes: " + parts + " = " + format_bytes(h.total()) +
                     " before any activation; raise the budget or shrink the model or data");

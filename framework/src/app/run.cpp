@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -46,7 +47,7 @@ auto named(const Config& c, const std::string& key, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const ConfigError& e) {
-    throw ConfigError(c.source + ": " + key + ": " + e.what());
+    throw ConfigError(c.where(key) + ": " + key + ": " + e.what());
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     if (what.find("can't allocate memory") == std::string::npos &&
@@ -54,9 +55,9 @@ auto named(const Config& c, const std::string& key, F&& f) -> decltype(f()) {
       throw;
     what = what.substr(0, what.find('\n'));
     if (!guard)
-      throw ConfigError(c.source + ": " + key + ": the sizes it sets need more memory than there "
+      throw ConfigError(c.where(key) + ": " + key + ": the sizes it sets need more memory than there "
                         "is: " + what);
-    throw ConfigError(c.source + ": " + key + ": the sizes it sets need more memory than this "
+    throw ConfigError(c.where(key) + ": " + key + ": the sizes it sets need more memory than this "
                       "machine's " + format_bytes(machine) + ": " +
                       what.substr(0, what.find(" of budget")));  // the budget is the machine's
   }
@@ -72,7 +73,7 @@ void check_synthetic_size(const Config& c) {
   const int64_t have = physical_memory();
   if (have <= 0 || need <= static_cast<double>(have)) return;
   const std::string bytes = need >= 9.2e18 ? "more than 8 EiB" : format_bytes(static_cast<int64_t>(need));
-  throw ConfigError(c.source + ": data.samples = " + std::to_string(c.data.samples) +
+  throw ConfigError(c.where("data.samples") + ": data.samples = " + std::to_string(c.data.samples) +
                     ": the synthetic dataset needs " + bytes + " while it is made (" +
                     std::to_string(c.data.samples) + " images of " + std::to_string(c.data.channels) +
                     "x" + std::to_string(c.data.image_size) + "x" + std::to_string(c.data.image_size) +
@@ -123,11 +124,11 @@ void check_own_data(const Config& c) {
     torch::NoGradGuard g;
     named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
   } catch (const DataError& e) {
-    throw ConfigError(c.source + ": data.path: " + e.what());
+    throw ConfigError(c.where("data.path") + ": data.path: " + e.what());
   }
   std::error_code ec;
   if (c.data.valid_samples >= 0 && !std::filesystem::exists(c.data.valid_path, ec))
-    throw ConfigError(c.source + ": data.valid_path: '" + c.data.valid_path + "' does not exist");
+    throw ConfigError(c.where("data.valid_path") + ": data.valid_path: '" + c.data.valid_path + "' does not exist");
 }
 }  // namespace
 
@@ -153,15 +154,43 @@ torch::Device resolve_device(const std::string& device) {
   return torch::kCPU;
 }
 
+namespace {
+// data.crop_padding pads each side: past the image's own side most crops would be padding
+// (and a huge one allocates a padded copy of every image).
+void check_crop_padding(const Config& c) {
+  if (c.data.crop_padding == 0) return;
+  int64_t side = c.data.dataset == "fashion-mnist" ? 28 : c.data.image_size;
+  for (const auto& s : c.stages)
+    if (s.image_size > 0) side = std::min(side, s.image_size);
+  if (c.data.crop_padding > side)
+    throw ConfigError(c.where("data.crop_padding") + ": data.crop_padding = " + std::to_string(c.data.crop_padding) +
+                      " is more than the image's side (" + std::to_string(side) + " pixels): the "
+                      "crops would be mostly padding; use at most " + std::to_string(side) +
+                      " (4 for 32-pixel images is usual)");
+}
+}  // namespace
+
 void check_config(const Config& c) {
   named(c, "data.dataset", [&] { return datasets().get(c.data.dataset); });
   named(c, "loss.name", [&] { return losses().get(c.loss.name); });
   named(c, "model.arch", [&] { return models().get(c.model.arch); });
+  try {
+    check_keys_are_read(c.data, c.model, c.stages);
+  } catch (const ConfigError& e) {  // the message starts with the key
+    const std::string what = e.what();
+    throw ConfigError(c.where(what.substr(0, what.find(' '))) + ": " + what);
+  }
+  check_crop_padding(c);
   if (c.data.dataset == "text") {
     try {
       text_files(c.data.paths);
     } catch (const DataError& e) {
-      throw ConfigError(c.source + ": data.paths: " + e.what());
+      throw ConfigError(c.where("data.paths") + ": data.paths: " + e.what());
+    }
+    try {
+      if (!c.data.valid_path.empty()) text_files({c.data.valid_path});
+    } catch (const DataError& e) {
+      throw ConfigError(c.where("data.valid_path") + ": data.valid_path: " + e.what());
     }
   }
   if (c.data.dataset == "synthetic") check_synthetic_size(c);
@@ -169,7 +198,7 @@ void check_config(const Config& c) {
     try {
       check_fashion_mnist(c.data.path);
     } catch (const DataError& e) {
-      throw ConfigError(c.source + ": data.path: " + e.what());
+      throw ConfigError(c.where("data.path") + ": data.path: " + e.what());
     }
   }
   if (c.data.dataset == "image_folder" || c.data.dataset == "csv") check_own_data(c);
@@ -258,9 +287,22 @@ void add_checkpointing(const Config& c, Learner& l, const StopRequest* stop) {
 }
 }  // namespace
 
+namespace {
+// run.threads past the machine's cores only slows a run (512 made a tiny one 30x slower;
+// 100000 hung creating threads): held to the cores this process may run on.
+void set_configured_threads(const Config& c) {
+  if (c.run.threads <= 0) return;
+  const int64_t cores = available_cores();
+  if (c.run.threads > cores)
+    spdlog::warn("{}: run.threads = {} is more than the {} core(s) this process may run on: "
+                 "using {}", c.where("run.threads"), c.run.threads, cores, cores);
+  set_threads(std::min(c.run.threads, cores));
+}
+}  // namespace
+
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) {
   check_config(c);
-  if (c.run.threads > 0) set_threads(c.run.threads);
+  set_configured_threads(c);
   torch::manual_seed(static_cast<uint64_t>(c.run.seed));
   World& world = World::get();
   torch::Device device = resolve_device(c.run.device);
@@ -272,9 +314,14 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
 
   Dataset train = named(c, "data", [&] { return make_dataset(c.data, true); });
   std::optional<DataLoader> valid;
-  if (c.data.valid_samples >= 0)
+  if (c.data.valid_samples >= 0) {
     valid.emplace(named(c, "data", [&] { return make_dataset(c.data, false); }),
                   c.data.valid_batch_size, false, 0, device);
+    if (c.data.valid_samples > valid->dataset().size())
+      spdlog::warn("{}: data.valid_samples = {}, but the validation split holds {}: validating on "
+                   "all {}", c.where("data.valid_samples"), c.data.valid_samples,
+                   valid->dataset().size(), valid->dataset().size());
+  }
   auto model = named(c, "model", [&] { return make_model(c.model, model_input(c, &train)); });
   LossFn loss = make_loss(c.loss);
   DataLoader train_loader(std::move(train), c.data.batch_size, c.data.shuffle,
@@ -306,6 +353,16 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   oom.max_retries = c.run.oom_retries;
   oom.auto_micro_batch = c.run.micro_batch == "auto";
   learner->set_oom_policy(oom);
+  return learner;
+}
+
+std::unique_ptr<Learner> make_checked_learner(const Config& c, const StopRequest* stop) {
+  auto learner = make_learner(c, stop);
+  try {
+    learner->check_fit(c.stages);
+  } catch (const ConfigError& e) {
+    throw ConfigError(c.where("stages") + ": stages: " + e.what());
+  }
   return learner;
 }
 

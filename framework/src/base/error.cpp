@@ -1,8 +1,40 @@
 #include "frugal/base/error.h"
 
+#include <algorithm>
+
 namespace frugal {
 
-Error::Error(const std::string& what) : std::runtime_error(what) {}
+std::string readable_message(const std::string& s) {
+  // what() is a C string: a NUL would end the message where it stands (a key "a\0b" named as
+  // "a"), and other control bytes garble a terminal.
+  std::string out;
+  out.reserve(std::min(s.size(), kMaxMessageBytes) + 16);
+  const auto append = [&](size_t from, size_t to) {
+    static const char* const hex = "0123456789abcdef";
+    for (size_t i = from; i < to; ++i) {
+      const auto c = static_cast<unsigned char>(s[i]);
+      if (c >= 0x20 || c == '\n' || c == '\t' || c == 0x1b) {  // ESC: spdlog's colours
+        out += s[i];
+      } else {
+        out += "\\x";
+        out += hex[c >> 4];
+        out += hex[c & 15];
+      }
+    }
+  };
+  if (s.size() <= kMaxMessageBytes) {
+    append(0, s.size());
+    return out;
+  }
+  // A 10 MB value quoted in a message: its start and the message's end (the fix) are kept.
+  const size_t head = kMaxMessageBytes / 2, tail = kMaxMessageBytes / 4;
+  append(0, head);
+  out += " [... " + std::to_string(s.size() - head - tail) + " bytes left out ...] ";
+  append(s.size() - tail, s.size());
+  return out;
+}
+
+Error::Error(const std::string& what) : std::runtime_error(readable_message(what)) {}
 Error::~Error() = default;
 ConfigError::~ConfigError() = default;
 DataError::~DataError() = default;

@@ -29,6 +29,8 @@ using detail::quote;
 namespace {
 
 const char* const kSetPrefix = "--set";
+/// A run's config is a few KiB; the cap only stops a file that is not one (/dev/zero).
+constexpr int64_t kMaxConfigBytes = int64_t{4} << 20;
 
 // ---- `--set KEY=VALUE` overrides, applied to the parsed table before validation. ----
 
@@ -227,11 +229,17 @@ std::string read_text(const std::string& path) {
     throw_config_error("cannot read config file '" + path + "': " + std::strerror(EISDIR));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw_config_error("cannot read config file '" + path + "': " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
+  // Read at most one byte past the cap: /dev/zero or a FIFO that never ends is refused, not read
+  // until memory runs out.
+  std::string text(static_cast<size_t>(kMaxConfigBytes) + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
   if (in.bad())
     throw_config_error("cannot read config file '" + path + "': " + std::strerror(errno));
-  return text.str();
+  text.resize(static_cast<size_t>(in.gcount()));
+  if (static_cast<int64_t>(text.size()) > kMaxConfigBytes)
+    throw_config_error("config file '" + path + "' is larger than " +
+                       std::to_string(kMaxConfigBytes >> 20) + " MiB: not a run's TOML config");
+  return text;
 }
 
 }  // namespace
@@ -260,6 +268,9 @@ Config parse_config(const std::string& text, const std::string& source,
                           "", "Allowed top-level tables");
   Config c;
   c.source = source;
+  for (const auto& o : overrides)
+    if (const auto eq = o.find('='); eq != std::string::npos)
+      c.set_by[trim(o.substr(0, eq))] = std::string(kSetPrefix) + " " + o;
   read_section(root, "run", c.run, source);
   read_section(root, "data", c.data, source);
   read_section(root, "model", c.model, source);
@@ -309,6 +320,14 @@ std::string Config::to_toml() const {
   std::ostringstream exact;
   exact << root << "\n";
   return exact.str();
+}
+
+std::string Config::where(const std::string& key) const {
+  if (auto it = set_by.find(key); it != set_by.end()) return it->second;
+  std::string with;
+  for (const auto& [k, origin] : set_by)
+    if (k.rfind(key + ".", 0) == 0 || key.rfind(k + ".", 0) == 0) with += (with.empty() ? "" : ", ") + origin;
+  return with.empty() ? source : source + " (with " + with + ")";
 }
 
 std::vector<std::string> Config::keys_outside_training() const {

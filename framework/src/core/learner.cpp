@@ -266,6 +266,16 @@ void check_freeze_prefixes(const torch::nn::Module& model, const std::vector<Sta
                          (near.empty() ? "" : "; did you mean '" + near + "'?") +
                          " The model's blocks: " + list);
     }
+    // A stage that freezes everything has nothing to train: its first backward would fail in
+    // LibTorch ("element 0 of tensors does not require grad").
+    const bool all = !names.empty() && std::all_of(names.begin(), names.end(), [&](const std::string& n) {
+      return std::any_of(s.freeze.begin(), s.freeze.end(),
+                         [&](const std::string& p) { return n.rfind(p, 0) == 0; });
+    });
+    if (all && s.epochs > 0)
+      throw_config_error("stage '" + s.name + "': freeze = [...] freezes every parameter of the "
+                         "model, so the stage would train nothing; leave at least one block "
+                         "unfrozen, or set the stage's epochs = 0");
   }
 }
 

@@ -94,6 +94,9 @@ void Learner::check_fit(const std::vector<Stage>& stages) const {
                          " must be in [0, data.block_size = " + std::to_string(d.block_size) +
                          "] (0 = the whole window)");
   }
+  if (std::all_of(stages.begin(), stages.end(), [](const Stage& s) { return s.epochs == 0; }))
+    throw_config_error("every stage has epochs = 0: the fit would train nothing and report "
+                       "nothing; give at least one stage epochs >= 1");
   check_freeze_prefixes(*model_, stages);
 }
 

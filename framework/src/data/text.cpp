@@ -70,6 +70,31 @@ std::string joined(const std::vector<std::string>& paths) {
 
 }  // namespace
 
+namespace {
+
+std::string too_short(const std::string& source, int64_t n, int64_t block_size, const std::string& split,
+                      int64_t need) {
+  return "text data: " + source + " hold " + std::to_string(n) + " bytes, too few for windows of "
+         "block_size " + std::to_string(block_size) + ": " + split + " needs " + std::to_string(need) +
+         "; use more text or a smaller block_size";
+}
+
+/// `count` bytes of `corpus` from `first` as training (random windows) or validation
+/// (consecutive windows) tokens.
+Dataset text_windows(const std::string& corpus, int64_t first, int64_t count, int64_t block_size,
+                     int64_t windows, bool train) {
+  Dataset d;
+  d.tokens = torch::empty({count}, torch::kUInt8);
+  std::copy_n(corpus.data() + first, count, d.tokens.data_ptr<uint8_t>());
+  d.block_size = block_size;
+  d.windows = train ? (windows > 0 ? windows : count / block_size) : (count - 1) / block_size;
+  d.num_classes = 256;
+  d.name = "text";
+  return d;
+}
+
+}  // namespace
+
 Dataset text_dataset(const std::string& corpus, int64_t block_size, int64_t windows, bool train,
                      const std::string& source) {
   if (block_size < 2) throw_data_error("text data: block_size must be >= 2");
@@ -79,25 +104,29 @@ Dataset text_dataset(const std::string& corpus, int64_t block_size, int64_t wind
   // A training window needs block_size + 1 bytes (its targets run one further) and one start to
   // draw; validation needs one whole window.
   if (n_train < block_size + 2 || n_valid < block_size + 1)
-    throw_data_error("text data: " + source + " hold " + std::to_string(n) +
-                     " bytes, too few for windows of block_size " + std::to_string(block_size) +
-                     ": the training split (the first 90%) needs " +
-                     std::to_string(block_size + 2) + " and the validation split (the last 10%) " +
-                     std::to_string(block_size + 1) + "; use more text or a smaller block_size");
-  Dataset d;
-  const int64_t first = train ? 0 : n_train, count = train ? n_train : n_valid;
-  d.tokens = torch::empty({count}, torch::kUInt8);
-  std::copy_n(corpus.data() + first, count, d.tokens.data_ptr<uint8_t>());
-  d.block_size = block_size;
-  d.windows = train ? (windows > 0 ? windows : n_train / block_size) : (n_valid - 1) / block_size;
-  d.num_classes = 256;
-  d.name = "text";
-  return d;
+    throw_data_error(too_short(source, n, block_size, "the training split (the first 90%) needs " +
+                               std::to_string(block_size + 2) + " and the validation split (the last "
+                               "10%)", block_size + 1));
+  return train ? text_windows(corpus, 0, n_train, block_size, windows, true)
+               : text_windows(corpus, n_train, n_valid, block_size, 0, false);
 }
 
 Dataset load_text(const std::vector<std::string>& paths, int64_t block_size, int64_t windows,
                   bool train) {
   return text_dataset(read_corpus(text_files(paths)), block_size, windows, train, joined(paths));
+}
+
+Dataset load_text(const std::vector<std::string>& paths, const std::vector<std::string>& valid_paths,
+                  int64_t block_size, int64_t windows, bool train) {
+  if (block_size < 2) throw_data_error("text data: block_size must be >= 2");
+  const std::vector<std::string>& from = train ? paths : valid_paths;
+  const std::string corpus = read_corpus(text_files(from));
+  const auto n = static_cast<int64_t>(corpus.size());
+  const int64_t need = train ? block_size + 2 : block_size + 1;
+  if (n < need)
+    throw_data_error(too_short(joined(from), n, block_size,
+                               train ? "training" : "validation (data.valid_path)", need));
+  return text_windows(corpus, 0, n, block_size, windows, train);
 }
 
 std::vector<int64_t> text_window_starts(const Dataset& d, bool shuffle, uint64_t seed) {

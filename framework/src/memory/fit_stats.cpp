@@ -112,6 +112,13 @@ nlohmann::json stage_json(const StageStats& s, const std::vector<double>& steps)
 
 }  // namespace
 
+double FitStats::final_loss() const {
+  // The last stage that trained: a last stage of 0 epochs (or one a stop never reached) has no loss.
+  for (auto s = stages_.rbegin(); s != stages_.rend(); ++s)
+    if (s->samples > 0) return s->last_epoch_loss;
+  return 0.0;
+}
+
 nlohmann::json FitStats::report(int64_t warmup, int64_t iterations, int64_t steps,
                                 double valid_accuracy) const {
   nlohmann::json stages = nlohmann::json::array();
@@ -135,7 +142,7 @@ nlohmann::json FitStats::report(int64_t warmup, int64_t iterations, int64_t step
       {"train_seconds", total_seconds},
       {"samples_per_second", total_seconds > 0 ? total_samples / total_seconds : 0.0},
       {"step_seconds", step_seconds_json(all_steps)},
-      {"final_loss", stages_.empty() ? 0.0 : stages_.back().last_epoch_loss}};
+      {"final_loss", final_loss()}};
   if (valid_accuracy >= 0) out["valid_accuracy"] = valid_accuracy;
   return out;
 }

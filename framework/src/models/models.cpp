@@ -4,6 +4,8 @@
 #include <set>
 
 #include "frugal/models/registry.h"
+
+#include <nlohmann/json.hpp>
 #include "models/gpt.h"
 
 namespace frugal {
@@ -289,6 +291,8 @@ Dataset synthetic(const DataOptions& o, bool train) {
 }
 
 Dataset text(const DataOptions& o, bool train) {
+  if (!o.valid_path.empty())
+    return load_text(o.paths, {o.valid_path}, o.block_size, o.windows_per_epoch, train);
   return load_text(o.paths, o.block_size, o.windows_per_epoch, train);
 }
 
@@ -316,13 +320,19 @@ Dataset csv(const DataOptions& o, bool train) {
 Registry<ModelFactory>& models() {
   static Registry<ModelFactory> r("model");
   static const bool builtins = [] {
-    r.add("mlp", make_mlp, "fully connected: stem, block1..block<depth>, head");
-    r.add("cnn", make_cnn, "three conv + batch-norm blocks (features1..3) and a linear head");
+    using Keys = std::vector<std::string>;
+    r.add("mlp", make_mlp, "fully connected: stem, block1..block<depth>, head", "frugal",
+          Keys{"width", "depth", "dropout"});
+    r.add("cnn", make_cnn, "three conv + batch-norm blocks (features1..3) and a linear head",
+          "frugal", Keys{"width", "dropout"});
     r.add("resnet", make_resnet,
-          "residual basic blocks layer1..layer<depth>; even layers halve the size");
-    r.add("vit", make_vit, "vision transformer: embed, layer1..layer<depth>, head");
+          "residual basic blocks layer1..layer<depth>; even layers halve the size", "frugal",
+          Keys{"width", "depth", "dropout"});
+    r.add("vit", make_vit, "vision transformer: embed, layer1..layer<depth>, head", "frugal",
+          Keys{"width", "depth", "dropout", "patch", "heads"});
     r.add("gpt", make_gpt,
-          "decoder-only transformer over bytes: embed, block0..block<n_layer-1>, ln_f, head");
+          "decoder-only transformer over bytes: embed, block0..block<n_layer-1>, ln_f, head",
+          "frugal", Keys{"n_layer", "n_head", "n_embd", "block_size", "dropout"});
     return true;
   }();
   (void)builtins;
@@ -343,15 +353,28 @@ Registry<LossFactory>& losses() {
 Registry<DatasetFactory>& datasets() {
   static Registry<DatasetFactory> r("dataset");
   static const bool builtins = [] {
-    r.add("fashion-mnist", fashion_mnist, "Fashion-MNIST from data.path (dataset-fashion-mnist)");
-    r.add("synthetic", synthetic, "random images with learnable labels of any shape");
-    r.add("text", text, "byte-level tokens of text files (data.paths) in windows of block_size");
+    using Keys = std::vector<std::string>;
+    const Keys images = {"flip", "crop_padding", "stages.image_size"};
+    const auto with = [](Keys a, const Keys& b) {
+      a.insert(a.end(), b.begin(), b.end());
+      return a;
+    };
+    r.add("fashion-mnist", fashion_mnist, "Fashion-MNIST from data.path (dataset-fashion-mnist)",
+          "frugal", with({"path"}, images));
+    r.add("synthetic", synthetic, "random images with learnable labels of any shape", "frugal",
+          with({"channels", "image_size", "classes", "samples"}, images));
+    r.add("text", text,
+          "byte-level tokens of text files (data.paths) in windows of block_size; validation "
+          "is data.valid_path or the corpus' last tenth",
+          "frugal", Keys{"paths", "valid_path", "block_size", "windows_per_epoch", "stages.seq_len"});
     r.add("image_folder", image_folder,
           "PNG/JPEG images, one sub-folder per class (data.path, data.valid_path), resized to "
-          "data.image_size and cached in memory as uint8");
+          "data.image_size and cached in memory as uint8",
+          "frugal", with({"path", "valid_path", "channels", "image_size"}, images));
     r.add("csv", csv,
           "numeric features and a label column (data.path, data.valid_path); classification or "
-          "regression (data.task)");
+          "regression (data.task)",
+          "frugal", Keys{"path", "valid_path", "label_column", "task"});
     return true;
   }();
   (void)builtins;
@@ -364,14 +387,90 @@ torch::nn::Sequential make_model(const ModelOptions& o, const ModelInput& in) {
 
 LossFn make_loss(const LossOptions& o) { return losses().get(o.name).make(o); }
 
+namespace {
+/// data.train_samples: at most what the split holds (a larger count trained on the whole split
+/// without a word). data.valid_samples is a cap: the validation split may hold fewer.
+Dataset head(const Dataset& d, const DataOptions& o, bool train) {
+  const int64_t n = train ? o.train_samples : o.valid_samples;
+  if (n <= 0) return d;
+  if (train && n > d.size())
+    throw_config_error("data.train_samples = " + str(n) + ", but the " + o.dataset +
+                       " dataset's training split holds " + str(d.size()) +
+                       (d.is_text() ? " windows" : " samples") + "; use at most " + str(d.size()) +
+                       " (0 = all)");
+  return d.head(n);
+}
+}  // namespace
+
 Dataset make_dataset(const DataOptions& o, bool train) {
   Dataset d = datasets().get(o.dataset).make(o, train);
   if (train) {
     d.augment.flip = o.flip;
     d.augment.crop_padding = o.crop_padding;
-    return d.head(o.train_samples);
   }
-  return o.valid_samples > 0 ? d.head(o.valid_samples) : d;
+  return head(d, o, train);
+}
+
+namespace {
+
+using Names = std::vector<std::string>;
+
+/// The names of the entries of `r` that declare reading `key`.
+template <class F>
+std::string readers(const Registry<F>& r, const std::string& key) {
+  std::string out;
+  for (const auto& name : r.names()) {
+    const auto e = r.get(name);
+    if (e.reads && std::find(e.reads->begin(), e.reads->end(), key) != e.reads->end())
+      out += (out.empty() ? "" : ", ") + name;
+  }
+  return out.empty() ? "none of the built-in ones" : out;
+}
+
+/// Every key of `o` changed from `defaults` that `entry` does not read: ConfigError.
+template <class F>
+void check_section(const Registry<F>& r, const std::string& chosen, const std::string& section,
+                   Options& o, Options& defaults, const Names& shared) {
+  const auto e = r.get(chosen);
+  if (!e.reads) return;
+  const nlohmann::json now = options_to_json(o), base = options_to_json(defaults);
+  for (const auto& [key, value] : now.items()) {
+    if (std::find(shared.begin(), shared.end(), key) != shared.end()) continue;
+    if (std::find(e.reads->begin(), e.reads->end(), key) != e.reads->end()) continue;
+    if (base.contains(key) && base[key] == value) continue;
+    throw_config_error(section + "." + key + " = " + value.dump() + ": the " + r.what() + " '" +
+                       chosen + "' does not read it (" + section + "." + key + " is read by " +
+                       readers(r, key) + "); remove it or choose a " + r.what() + " that uses it");
+  }
+}
+
+}  // namespace
+
+void check_keys_are_read(const DataOptions& d, const ModelOptions& m,
+                         const std::vector<StageOptions>& stages) {
+  // What the loader reads for every dataset, and what chooses the entry.
+  const Names data_shared = {"dataset", "batch_size", "valid_batch_size", "train_samples",
+                             "valid_samples", "shuffle"};
+  DataOptions data = d, data_defaults;
+  check_section(datasets(), d.dataset, "data", data, data_defaults, data_shared);
+  ModelOptions model = m, model_defaults;
+  check_section(models(), m.arch, "model", model, model_defaults, {"arch"});
+  const auto e = datasets().get(d.dataset);
+  if (!e.reads) return;
+  const auto reads = [&](const char* key) {
+    return std::find(e.reads->begin(), e.reads->end(), key) != e.reads->end();
+  };
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const std::string at = "stages." + str(static_cast<int64_t>(i));
+    if (stages[i].image_size != 0 && !reads("stages.image_size"))
+      throw_config_error(at + ".image_size = " + str(stages[i].image_size) + ": the dataset '" +
+                         d.dataset + "' holds no images to resize (read by " +
+                         readers(datasets(), "stages.image_size") + "); remove it");
+    if (stages[i].seq_len != 0 && !reads("stages.seq_len"))
+      throw_config_error(at + ".seq_len = " + str(stages[i].seq_len) + ": the dataset '" + d.dataset +
+                         "' holds no token windows to shorten (read by " +
+                         readers(datasets(), "stages.seq_len") + "); remove it");
+  }
 }
 
 }  // namespace frugal

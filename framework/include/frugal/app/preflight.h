@@ -37,8 +37,9 @@ HeldBytes estimate_held_bytes(const Config& c);
 /// a dataset a plugin registers.
 int64_t estimated_data_bytes(const Config& c);
 
-/// Throws ConfigError when run.out_dir cannot be created or written: the nearest existing
-/// folder on its path is probed with a temporary folder, removed again.
+/// Throws ConfigError when run.out_dir (or run.trace's file) cannot be created or written: the
+/// nearest existing folder on its path is probed with a temporary folder, removed again; a
+/// name longer than the file system allows, or a trace path that is a folder, is refused.
 void check_out_dir(const Config& c);
 
 /// Everything above for a config: out_dir; for a built-in dataset, the freeze prefixes and

@@ -29,6 +29,10 @@ void check_config(const Config& c);
 /// run.early_stopping an EarlyStopping; their metrics are checked against the task here
 /// (ConfigError naming the file and key).
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop = nullptr);
+/// make_learner, then Learner::check_fit of the config's stages (errors name the file): all
+/// that `train` refuses before its first step, with nothing written. What `frugal check` runs,
+/// and `frugal train` before it claims run.out_dir.
+std::unique_ptr<Learner> make_checked_learner(const Config& c, const StopRequest* stop = nullptr);
 
 /// The model the config describes, freshly initialised, for the shapes the config alone gives
 /// (no data is read): what load_run_model fills with a run's exported weights. Throws

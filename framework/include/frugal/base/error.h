@@ -11,8 +11,15 @@
 
 namespace frugal {
 
+/// Messages longer than this are shortened (their start and end kept).
+inline constexpr size_t kMaxMessageBytes = 8192;
+/// `s` as an error message can carry it: control bytes other than newline and tab written as
+/// \xNN (a NUL would end what()), and past kMaxMessageBytes the middle left out.
+std::string readable_message(const std::string& s);
+
 class Error : public std::runtime_error {
  public:
+  /// The message passes through readable_message.
   explicit Error(const std::string& what);
   ~Error() override;
 };

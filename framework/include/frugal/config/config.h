@@ -3,6 +3,7 @@
 /// any work.
 /// Errors name file:line:column, the key, what is allowed and the nearest key for a typo.
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +28,13 @@ struct Config {
   AblationOptions ablation;   ///< used by `frugal ablate` and `frugal plan`
   bool has_ablation = false;  ///< the file has an [ablation] table
   std::string source;  ///< the config file's path (for errors)
+  /// The keys `--set` gave a value ("data.paths" -> "--set data.paths=[...]"), for errors.
+  std::map<std::string, std::string> set_by;
+
+  /// Where `key`'s value came from, for an error about it: "--set data.paths=[...]" when an
+  /// override set it; the file, "(with --set ...)" added when an override set a key under it
+  /// ("model" after --set model.width=8); else the file.
+  std::string where(const std::string& key) const;
 
   /// The resolved configuration, every key with its value, as TOML text.
   std::string to_toml() const;

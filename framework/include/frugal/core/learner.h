@@ -55,6 +55,9 @@ class Learner {
   void fit(const std::vector<Stage>& stages);
   /// One stage named "fit".
   void fit(int64_t epochs);
+  /// Throws what fit(stages) would throw before its first event (epochs, image sizes, sequence
+  /// lengths, freeze prefixes, a fit of no epochs); runs nothing. What `frugal check` runs.
+  void check_fit(const std::vector<Stage>& stages) const;
   /// Scores the validation data (fires before_validate / after_validate): sets valid_sums()
   /// and returns the accuracy (of samples, or of next tokens for a language model).
   double validate();
@@ -276,7 +279,6 @@ class Learner {
   void fire(Event e);
   torch::Tensor forward_from(size_t index, const torch::Tensor& x);
   void rebuild_forward_wrappers();
-  void check_fit(const std::vector<Stage>& stages) const;
   size_t start_fit(const std::vector<Stage>& stages);
   void run_stages(size_t first_stage);
   void run_stage(const Stage& s);
@@ -386,7 +388,7 @@ class Learner {
 };
 
 /// Throws ConfigError naming `key` when `prefix` of a stage matches no parameter of `model`
-/// (the nearest block and every block listed).
+/// (the nearest block and every block listed), and when a stage that trains freezes every parameter.
 void check_freeze_prefixes(const torch::nn::Module& model, const std::vector<StageOptions>& stages);
 
 

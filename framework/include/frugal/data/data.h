@@ -86,6 +86,10 @@ Dataset make_synthetic(int64_t n, int64_t channels, int64_t height, int64_t widt
 /// missing or unreadable file, an empty corpus or one shorter than a window in either split.
 Dataset load_text(const std::vector<std::string>& paths, int64_t block_size, int64_t windows,
                   bool train);
+/// A held-out corpus: training reads every byte of `paths` (no tenth kept back) and validation
+/// every byte of `valid_paths` (data.valid_path), in consecutive windows.
+Dataset load_text(const std::vector<std::string>& paths, const std::vector<std::string>& valid_paths,
+                  int64_t block_size, int64_t windows, bool train);
 /// The same split of corpus bytes held in memory; `source` names them in errors.
 Dataset text_dataset(const std::string& corpus, int64_t block_size, int64_t windows, bool train,
                      const std::string& source = "the corpus");

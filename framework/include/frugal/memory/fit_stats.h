@@ -79,6 +79,8 @@ class FitStats {
   /// An epoch ended: a stage still without a steady state takes its last batch's.
   void end_epoch();
 
+  /// The last epoch's mean training loss of the last stage that trained (0 when none did).
+  double final_loss() const;
   /// The "fit" object of the run report (without "oom"): per stage and for the whole fit; the
   /// first `warmup` batches of a stage are left out of its step times.
   nlohmann::json report(int64_t warmup, int64_t iterations, int64_t steps,

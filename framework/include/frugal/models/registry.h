@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,13 +46,20 @@ class Registry {
     Factory make;
     std::string description;
     std::string owner;  ///< "frugal" or the plugin's name
+    /// The keys of its section it reads beyond the loader's own ([data]: path, flip, ...;
+    /// [model]: width, depth, ...; "stages.image_size" / "stages.seq_len" for a dataset whose
+    /// stages may resize images or shorten windows). nullopt = undeclared: nothing is checked.
+    /// A declared entry makes a key it does not read, set away from its default, an error
+    /// (check_keys_are_read) instead of a run that silently trains on something else.
+    std::optional<std::vector<std::string>> reads;
   };
   explicit Registry(std::string what) : what_(std::move(what)) {}
 
   void add(const std::string& name, Factory f, std::string description,
-           std::string owner = "frugal") {
+           std::string owner = "frugal",
+           std::optional<std::vector<std::string>> reads = std::nullopt) {
     std::lock_guard<std::mutex> g(m_);
-    entries_[name] = Entry{std::move(f), std::move(description), std::move(owner)};
+    entries_[name] = Entry{std::move(f), std::move(description), std::move(owner), std::move(reads)};
   }
   /// Removes every entry `owner` added (a plugin's, before its library unloads).
   void remove_owner(const std::string& owner) {
@@ -105,5 +113,12 @@ Registry<DatasetFactory>& datasets();
 torch::nn::Sequential make_model(const ModelOptions& o, const ModelInput& in);
 LossFn make_loss(const LossOptions& o);
 Dataset make_dataset(const DataOptions& o, bool train);
+
+/// The keys of [data] and [model] (and the stages' image_size and seq_len) that the chosen
+/// dataset or model does not read, set to another value than their default: ConfigError naming
+/// the key, what ignores it and which entries read it. Entries that do not declare what they
+/// read (a plugin's, by default) are not checked.
+void check_keys_are_read(const DataOptions& d, const ModelOptions& m,
+                         const std::vector<StageOptions>& stages);
 
 }  // namespace frugal
