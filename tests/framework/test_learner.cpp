@@ -90,6 +90,28 @@ TEST(LearnerEvents, TwoStageFitFiresEveryEventInOrder) {
   EXPECT_EQ(l->steps(), 6);
 }
 
+TEST(LearnerEvents, ALastStageOfNoEpochsKeepsTheFinalLossOfTheStageThatTrained) {
+  auto l = make_tiny_learner();
+  l->fit({make_stage("train", 1), make_stage("tail", 0)});
+  const nlohmann::json fit = l->report();
+  ASSERT_EQ(fit["stages"].size(), 2u);
+  EXPECT_GT(fit["final_loss"].get<double>(), 0.0) << "not the empty stage's 0";
+  EXPECT_EQ(fit["final_loss"].get<double>(), fit["stages"][0]["loss"].get<double>());
+}
+
+TEST(LearnerEvents, AFitOfNoEpochsAtAllIsRefusedBeforeAnyEvent) {
+  auto l = make_tiny_learner();
+  auto log = std::make_shared<Recorder>();
+  l->add_callback(log);
+  try {
+    l->fit({make_stage("a", 0), make_stage("b", 0)});
+    ADD_FAILURE() << "a fit that trains nothing ran";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("every stage has epochs = 0"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(log->events.empty());
+}
+
 TEST(LearnerEvents, SkipStepKeepsParametersAndSkipsAfterStep) {
   auto l = make_tiny_learner();
   auto before = clone_params(*l->model());

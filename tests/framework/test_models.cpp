@@ -227,6 +227,70 @@ TEST_F(Model, PluginModelRegistersAndUnregisters) {
   EXPECT_TRUE(models().contains("cnn"));
 }
 
+TEST_F(Model, AKeyTheChosenEntryDoesNotReadIsAnErrorUnlessTheEntryDeclaresNothing) {
+  const auto error_of = [](const DataOptions& d, const ModelOptions& m, std::vector<StageOptions> st = {}) {
+    try {
+      check_keys_are_read(d, m, st);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  DataOptions d;  // fashion-mnist
+  ModelOptions m = arch("mlp");
+  EXPECT_EQ(error_of(d, m), "(no error)") << "defaults everywhere";
+  d.samples = 2000;
+  EXPECT_EQ(error_of(d, m), "data.samples = 2000: the dataset 'fashion-mnist' does not read it "
+                            "(data.samples is read by synthetic); remove it or choose a dataset "
+                            "that uses it");
+  d.dataset = "synthetic";
+  EXPECT_EQ(error_of(d, m), "(no error)") << "synthetic reads samples";
+  m.n_embd = 64;
+  EXPECT_NE(error_of(d, m).find("model.n_embd = 64: the model 'mlp' does not read it (model.n_embd is read by gpt)"),
+            std::string::npos);
+  m = arch("mlp");
+  StageOptions text_stage;
+  text_stage.seq_len = 8;
+  EXPECT_NE(error_of(d, m, {StageOptions{}, text_stage}).find("stages.1.seq_len = 8"), std::string::npos);
+  // A plugin's entry that declares nothing is not checked: it may read any key.
+  models().add("undeclared", [](const ModelOptions&, const ModelInput&) { return torch::nn::Sequential(); },
+               "a test model", "test-plugin");
+  ModelOptions u = arch("undeclared");
+  u.heads = 2;
+  EXPECT_EQ(error_of(d, u), "(no error)");
+  models().remove_owner("test-plugin");
+}
+
+TEST_F(Model, TrainSamplesPastTheDataAreAnErrorValidSamplesACap) {
+  DataOptions d;
+  d.dataset = "synthetic";
+  d.samples = 64;
+  d.image_size = 4;
+  d.train_samples = 65;
+  try {
+    make_dataset(d, true);
+    ADD_FAILURE() << "65 of 64 samples accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.train_samples = 65, but the synthetic dataset's "
+                                         "training split holds 64 samples"), std::string::npos) << e.what();
+  }
+  d.train_samples = 64;
+  d.valid_samples = 1000;
+  EXPECT_EQ(make_dataset(d, true).size(), 64);
+  EXPECT_EQ(make_dataset(d, false).size(), 16) << "validation: the whole split";
+}
+
+TEST_F(Model, ErrorMessagesKeepANulAndShortenAHugeValue) {
+  const Error nul(std::string("unknown key 'data.a\0b'", 22));
+  EXPECT_EQ(std::string(nul.what()), "unknown key 'data.a\\x00b'");
+  const Error huge("out_dir '" + std::string(1 << 20, 'x') + "': set a shorter one");
+  const std::string what = huge.what();
+  EXPECT_LE(what.size(), kMaxMessageBytes + 64);
+  EXPECT_EQ(what.rfind("out_dir 'xxx", 0), 0u);
+  EXPECT_NE(what.find("bytes left out"), std::string::npos);
+  EXPECT_EQ(what.substr(what.size() - 20), "': set a shorter one") << "the fix is kept";
+}
+
 TEST_F(Model, CrossEntropyWithLabelSmoothing) {
   auto logits = torch::tensor({{10.0f, 0.0f, 0.0f}, {0.0f, 10.0f, 0.0f}});
   auto target = torch::tensor({0, 1}, torch::kLong);

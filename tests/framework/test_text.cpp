@@ -46,6 +46,25 @@ TEST(TextData, LastTenthIsValidationAndEveryByteIsKept) {
   EXPECT_EQ(load_text({p}, 16, 123, true).windows, 123);
 }
 
+TEST(TextData, AHeldOutValidPathValidatesAndTrainingKeepsEveryByte) {
+  TempDir d;
+  const std::string corpus = tiny_corpus(1000), held = tiny_corpus(300).substr(100);
+  const std::string p = write_file(d, "a.txt", corpus), v = write_file(d, "held.txt", held);
+  DataOptions o;
+  o.dataset = "text";
+  o.paths = {p};
+  o.valid_path = v;
+  o.block_size = 16;
+  const Dataset train = make_dataset(o, true), valid = make_dataset(o, false);
+  ASSERT_EQ(train.tokens.numel(), 1000) << "no tenth kept back when validation is held out";
+  ASSERT_EQ(valid.tokens.numel(), 200);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(valid.tokens.data_ptr<uint8_t>()), 200), held);
+  EXPECT_EQ(valid.windows, 199 / 16);
+  o.valid_path = write_file(d, "tiny.txt", "short");
+  EXPECT_NE(text_error_of([&] { make_dataset(o, false); }).find("validation (data.valid_path) needs 17"),
+            std::string::npos);
+}
+
 TEST(TextData, FoldersAreReadRecursivelyInPathOrderWithoutLinks) {
   TempDir d;
   write_file(d, "corpus/b/2.txt", std::string(300, 'b'));
