@@ -328,7 +328,8 @@ TEST(DataParallelFaults, RanksStartedWithDifferentConfigsAreRefusedBeforeTrainin
 
 TEST(DataParallelFaults, ARankThatNeverArrivesEndsTheRendezvousAtTheTimeout) {
   TempDir dir;
-  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 2\n"));
+  // 6 s: the store's wait and the rendezvous' once (they were two timeouts in a row: 12 s).
+  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 6\n"));
   const auto t0 = std::chrono::steady_clock::now();
   const pid_t r0 = start_rank(0, 2, free_port(), {"train", dir.file("run.toml")}, dir.file("log"));
   const int s = wait_child(r0);
@@ -338,7 +339,33 @@ TEST(DataParallelFaults, ARankThatNeverArrivesEndsTheRendezvousAtTheTimeout) {
   EXPECT_EQ(WEXITSTATUS(s), 1) << log;
   EXPECT_NE(log.find("rank 0 of 2: no rendezvous at 127.0.0.1:"), std::string::npos) << log;
   EXPECT_NE(log.find("rank(s) 1 never arrived"), std::string::npos) << log;
-  EXPECT_LT(seconds, 60) << log;
+  EXPECT_LT(seconds, 11) << "one distributed.timeout (6 s) and the start-up, not two: " << log;
+  EXPECT_FALSE(fs::exists(dir.file("run"))) << "nothing is written before the rendezvous";
+}
+
+TEST(DataParallelFaults, ARankPointedAtAPortThatNeverAnswersEndsAtTheTimeout) {
+  TempDir dir;
+  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 2\n"));
+  // A listening socket nobody reads: the kernel accepts the connection, no answer ever comes.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::listen(fd, 8);
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t r1 = start_rank(1, 2, ntohs(a.sin_port), {"train", dir.file("run.toml")}, dir.file("log"));
+  const int s = wait_child(r1);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::close(fd);
+  const std::string log = read_text(dir.file("log"));
+  ASSERT_TRUE(WIFEXITED(s)) << log;
+  EXPECT_EQ(WEXITSTATUS(s), 1) << log;
+  EXPECT_NE(log.find("rank 1 of 2: no rendezvous at 127.0.0.1:" + std::to_string(ntohs(a.sin_port))),
+            std::string::npos) << log;
+  EXPECT_LT(seconds, 15) << "ended on its own, not after the test's wait: " << log;
 }
 
 TEST(DataParallelFaults, APortInUseIsAClearError) {

@@ -9,6 +9,7 @@
 #include "frugal/distributed/distributed.h"
 
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <mutex>
 #include <thread>
@@ -145,6 +146,9 @@ struct World::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<Group> group;
   std::chrono::milliseconds timeout{300000};
+  /// The rendezvous ends by this time: distributed.timeout from init's start, once (the store's
+  /// connection and the wait for the other ranks share it).
+  std::chrono::steady_clock::time_point deadline;
 };
 
 World::World() : impl_(std::make_unique<Impl>()) {}
@@ -188,6 +192,35 @@ int64_t reduce_scalar(World& w, int64_t v, Reduce op) {
   return t.item<int64_t>();
 }
 
+/// Ends the process when the rendezvous outlives its deadline by a grace period: a port that
+/// accepts and never answers leaves the store's client in a read without a timeout, which no
+/// exception can reach. Nothing of the run is written before the rendezvous, so the exit is clean.
+class RendezvousWatchdog {
+ public:
+  RendezvousWatchdog(std::chrono::steady_clock::time_point deadline, std::string what)
+      : thread_([this, deadline, what = std::move(what)] {
+          std::unique_lock<std::mutex> g(m_);
+          if (cv_.wait_until(g, deadline + std::chrono::seconds(3), [this] { return done_; })) return;
+          spdlog::error("{}", what);
+          spdlog::default_logger()->flush();
+          std::_Exit(1);
+        }) {}
+  ~RendezvousWatchdog() {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: started once the members it reads exist
+};
+
 }  // namespace
 
 void World::init(const WorldEnv& env, const DistributedOptions& o, const torch::Device& device) {
@@ -203,21 +236,28 @@ void World::init(const WorldEnv& env, const DistributedOptions& o, const torch::
     throw_config_error("distributed.backend = \"nccl\" needs run.device = \"cuda\"; CPU ranks "
                        "use gloo");
   impl_->timeout = std::chrono::milliseconds(o.timeout * 1000);
+  impl_->deadline = std::chrono::steady_clock::now() + impl_->timeout;
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
   so.numWorkers = static_cast<size_t>(env.world_size);
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // rendezvous() waits, naming the missing ranks, within the same deadline
   so.timeout = impl_->timeout;
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
-  try {
-    impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-  } catch (const std::exception& e) {
-    throw Error("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
-                ": no rendezvous at " + where + " (MASTER_ADDR:MASTER_PORT) within " +
-                std::to_string(o.timeout) + " s: " + e.what());
+  const std::string rank = "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size);
+  {
+    RendezvousWatchdog watchdog(impl_->deadline,
+                                rank + ": no rendezvous at " + where + " within distributed.timeout = " +
+                                    std::to_string(o.timeout) + " s: the port accepted the connection "
+                                    "but never answered (is MASTER_ADDR:MASTER_PORT rank 0 of this run?)");
+    try {
+      impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    } catch (const std::exception& e) {
+      throw Error(rank + ": no rendezvous at " + where + " (MASTER_ADDR:MASTER_PORT) within " +
+                  std::to_string(o.timeout) + " s: " + e.what());
+    }
+    rendezvous(env, where, o.timeout);
   }
-  rendezvous(env, where, o.timeout);
   if (backend == "gloo") {
     auto opts = c10d::ProcessGroupGloo::Options::create(impl_->timeout);
     opts->devices.push_back(gloo_device(env.master_addr));
@@ -249,7 +289,7 @@ void World::rendezvous(const WorldEnv& env, const std::string& where, int64_t ti
     store.set("frugal/arrived/" + std::to_string(env.rank), std::vector<uint8_t>{1});
     store.add("frugal/arrived", 1);
   });
-  const auto deadline = std::chrono::steady_clock::now() + impl_->timeout;
+  const auto deadline = impl_->deadline;
   while (guarded("the rendezvous", [&] { return store.add("frugal/arrived", 0); }) < env.world_size) {
     if (std::chrono::steady_clock::now() > deadline) {
       std::string missing;
