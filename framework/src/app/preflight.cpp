@@ -137,6 +137,25 @@ int64_t estimated_data_bytes(const Config& c) {
 
 namespace {
 
+// One sample's input and target as the loader puts them on the device: images as float with an
+// int64 label, token windows as int64 inputs and targets, CSV rows as float features.
+int64_t sample_bytes_on_device(const Config& c) {
+  const DataOptions& d = c.data;
+  if (d.dataset == "text") return d.block_size * 2 * 8;
+  if (d.dataset == "csv") {
+    try {
+      return csv_shape(d.path, CsvSpec{d.label_column, d.task == "regression"}).features * 4 + 8;
+    } catch (const DataError&) {
+      return 0;  // estimated_data_bytes names the file
+    }
+  }
+  if (d.dataset != "fashion-mnist" && d.dataset != "synthetic" && d.dataset != "image_folder") return 0;
+  int64_t side = d.dataset == "fashion-mnist" ? 28 : d.image_size;
+  for (const auto& s : c.stages) side = std::max(side, s.image_size);
+  const int64_t channels = d.dataset == "fashion-mnist" ? 1 : d.channels;
+  return channels * side * side * 4 + 8;
+}
+
 HeldBytes held_bytes(const Config& c, torch::nn::Module& model) {
   HeldBytes h;
   const StageOptions& stage = first_stage(c);
@@ -157,8 +176,12 @@ HeldBytes held_bytes(const Config& c, torch::nn::Module& model) {
   const OptimizerOptions& o = stage.has_optimizer ? stage.optimizer : c.optimizer;
   h.optimizer = o.name;
   const auto needs = optimizers().get(o.name).make.step_needs;
-  h.optimizer_state = needs ? needs(o, trained).state : trained.total;
+  const StepNeeds step = needs ? needs(o, trained) : StepNeeds{trained.total, 0};
+  h.optimizer_state = step.state;
+  h.step_temporaries = step.temporaries;
   h.data = estimated_data_bytes(c);
+  const int64_t sample = sample_bytes_on_device(c);
+  h.batch = sample * std::max(c.data.batch_size, c.data.valid_samples < 0 ? 0 : c.data.valid_batch_size);
   h.data_on_device = resolve_device(c.run.device).is_cpu();
   return h;
 }
@@ -248,6 +271,8 @@ void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
   if (h.total() <= budget) return;
   parts += ", gradients " + format_bytes(h.gradients) + ", optimizer state (" + h.optimizer + ") " +
            format_bytes(h.optimizer_state);
+  if (h.step_temporaries) parts += ", the step's temporaries " + format_bytes(h.step_temporaries);
+  if (h.batch) parts += ", the largest batch " + format_bytes(h.batch);
   throw ConfigError(c.where("run.memory_budget") + ": run.memory_budget = " + format_bytes(budget) +
                     " is below what the run holds at its first step, estimated from the "
                     "config's shapes: " + parts + " = " + format_bytes(h.total()) +

@@ -21,12 +21,19 @@ struct HeldBytes {
   int64_t buffers = 0;          ///< BatchNorm's running statistics, ...
   int64_t gradients = 0;        ///< of the parameters the first stage trains
   int64_t optimizer_state = 0;  ///< the first stage's optimizer, over those parameters
+  int64_t step_temporaries = 0; ///< what the first optimizer step allocates and frees again
   int64_t data = 0;             ///< counted against the budget on CPU only
+  /// The larger of a training batch's and a validation batch's inputs and targets on the
+  /// device (images as float, tokens as int64): validation's batch is often the larger.
+  int64_t batch = 0;
   std::string optimizer;        ///< its name
   bool data_on_device = false;  ///< the budget's device holds the data (CPU)
   /// Held before the first batch, whatever plugins do.
   int64_t before_training() const { return parameters + buffers + (data_on_device ? data : 0); }
-  int64_t total() const { return before_training() + gradients + optimizer_state; }
+  /// Held at the first step's peak, activations left out.
+  int64_t total() const {
+    return before_training() + gradients + optimizer_state + step_temporaries + batch;
+  }
 };
 
 /// The estimate for a config whose dataset is built in (fashion-mnist, synthetic, text); throws
