@@ -133,6 +133,39 @@ TEST(PreemptCli, ASecondSignalStopsAtOnce) {
   EXPECT_FALSE(fs::exists(out + "/report.json")) << "stopped at once, before any report";
 }
 
+TEST(PreemptCli, ASignalInTheFirstMomentsLeavesNothingOrAResumableRun) {
+  // SIGTERM from the exec to the first batches: killed before the handler (nothing written),
+  // stopped before the folder is claimed (exit 75, nothing written) or after (exit 75, a
+  // checkpoint); either way the same command with --resume auto trains the run to its end.
+  TempDir dir;
+  for (const int ms : {0, 450, 550, 700, 1000}) {  // LibTorch's load takes ~0.4 s here
+    const std::string out = dir.file("run" + std::to_string(ms)), cfg = out + ".toml";
+    // 65536 samples: making them takes long enough for a signal to land before the folder's claim.
+    std::string text = stoppable_config(out, "max_steps = 1000\n", "none");
+    text.replace(text.find("samples = 4096"), 14, "samples = 65536");
+    write_text(cfg, text);
+    const pid_t pid = start_train({"train", cfg}, dir.file("log"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    ::kill(pid, SIGTERM);
+    const int status = wait_child(pid);
+    const std::string log = read_text(dir.file("log"));
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;  // it ended first: nothing to see
+    if (WIFSIGNALED(status)) {
+      EXPECT_EQ(WTERMSIG(status), SIGTERM) << ms << " ms: " << log;
+      EXPECT_FALSE(fs::exists(out)) << ms << " ms: killed before the handler, yet a folder exists";
+    } else {
+      ASSERT_TRUE(WIFEXITED(status)) << ms << " ms";
+      EXPECT_EQ(WEXITSTATUS(status), kExitInterrupted) << ms << " ms: " << log;
+      if (!fs::exists(out))
+        EXPECT_NE(log.find("before the run started: nothing was written"), std::string::npos) << log;
+      else
+        EXPECT_TRUE(fs::exists(out + "/checkpoints/last.ckpt")) << ms << " ms: " << log;
+    }
+    const CliResult resumed = run_cli("train " + cfg + " --resume auto");
+    EXPECT_EQ(resumed.exit_code, 0) << ms << " ms: " << resumed.output;
+  }
+}
+
 TEST(PreemptCli, ALockedFolderIsRefusedNamingTheHolder) {
   TempDir dir;
   const std::string out = dir.file("run");
