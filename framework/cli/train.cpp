@@ -69,6 +69,15 @@ std::string newest_checkpoint(const Config& cfg, spdlog::logger& log) {
   return numbered.back();
 }
 
+/// True when `cfg` has more epochs or stages than the finished fit of checkpoint record `rec`.
+bool extends(const Config& cfg, const nlohmann::json& rec) {
+  const auto& names = rec.value("stages", nlohmann::json::array());
+  const auto& epochs = rec.value("stage_epochs", nlohmann::json::array());
+  if (cfg.stages.size() != names.size()) return cfg.stages.size() > names.size();
+  return !epochs.empty() && epochs.back().is_number_integer() &&
+         cfg.stages.back().epochs > epochs.back().get<int64_t>();
+}
+
 /// `--resume auto`: the checkpoint of this config's unfinished run in run.out_dir, or "" when
 /// the folder holds no run. Refuses (ConfigError, naming the differing keys) a run of another
 /// config, and (Error) a finished run or results without a checkpoint.
@@ -78,12 +87,13 @@ std::string auto_resume(const ConfigWithPlugins& loaded, spdlog::logger& log) {
   const std::string ckpt = newest_checkpoint(cfg, log);
   if (!ckpt.empty()) {
     const nlohmann::json rec = Learner::read_checkpoint(ckpt);
+    const bool finished = rec["position"].value("done", false);
     try {
-      check_resume_config(cfg, rec["info"], ckpt, loaded.host->keys_outside_training());
+      check_resume_config(cfg, rec["info"], ckpt, loaded.host->keys_outside_training(), finished);
     } catch (const ConfigError& e) {
       throw ConfigError("--resume auto: '" + out + "' holds a run of another config: " + e.what());
     }
-    if (rec["position"].value("done", false) && run_completed(out))
+    if (finished && run_completed(out) && !extends(cfg, rec))
       throw Error("--resume auto: the run in '" + out + "' has finished (" + ckpt + " is its "
                   "end): nothing is left to train. Give a new run another run.out_dir, or "
                   "replace this one with --overwrite");
@@ -112,8 +122,9 @@ bool inside(const std::string& file, const std::string& dir) {
 std::string explicit_resume(const std::string& where, const ConfigWithPlugins& loaded) {
   const Config& cfg = loaded.config;
   const std::string checkpoint = resume_checkpoint(where);
-  check_resume_config(cfg, Learner::read_checkpoint(checkpoint)["info"], checkpoint,
-                      loaded.host->keys_outside_training());
+  const nlohmann::json rec = Learner::read_checkpoint(checkpoint);
+  check_resume_config(cfg, rec["info"], checkpoint, loaded.host->keys_outside_training(),
+                      rec["position"].value("done", false));
   const auto files = earlier_run_files(cfg.run.out_dir, checkpoint_dir(cfg));
   if (!files.empty() && !inside(checkpoint, cfg.run.out_dir))
     throw Error("run.out_dir '" + cfg.run.out_dir + "' holds another run's results (" +
@@ -154,7 +165,8 @@ void load_resume(Learner& learner, const std::string& checkpoint, spdlog::logger
   learner.load_checkpoint(checkpoint);
   const FitPosition p = *learner.pending_resume();
   if (p.done)
-    log.info("resuming from {}: that fit had ended; nothing is left to train", checkpoint);
+    log.info("resuming from {}: that fit had ended; what this config adds to it (epochs of its "
+             "last stage, stages after it) trains now, if anything", checkpoint);
   else
     log.info("resuming from {}: stage {} epoch {} batch {} ({} batches, {} steps done)",
              checkpoint, p.stage + 1, p.epoch + 1, p.batch + 1, p.iteration, p.steps);

@@ -221,6 +221,54 @@ TEST(Resume, AFinishedFitResumesToNothing) {
   EXPECT_EQ(b->iteration(), a->iteration());
 }
 
+TEST(Resume, AFinishedFitGoesOnWithMoreEpochsOrStagesAsIfItHadNeverStopped) {
+  // A fit of [a: 1 epoch] carried on as [a: 2] and as [a: 2, b: 1] (b with its own SGD) ends
+  // bitwise where the longer fit from the start ends: optimizer state, data order, counters.
+  TempDir dir;
+  const TinySetup s = noisy_setup();  // dropout, shuffled, validated: every generator counts
+  Stage b = make_stage("b", 1);
+  b.has_optimizer = true;
+  b.optimizer.name = "sgd";
+  b.optimizer.lr = 0.05;
+  {
+    auto first = make_tiny_learner(s);
+    first->fit(std::vector<Stage>{make_stage("a", 1)});
+    first->save_checkpoint(dir.file("done"));
+  }
+  for (const std::vector<Stage>& longer : {std::vector<Stage>{make_stage("a", 2)},
+                                           std::vector<Stage>{make_stage("a", 2), b}}) {
+    auto whole = make_tiny_learner(s);
+    whole->fit(longer);
+    auto more = make_tiny_learner(s);
+    more->load_checkpoint(dir.file("done"));
+    more->fit(longer);
+    expect_same(outcome(*whole), outcome(*more), std::to_string(longer.size()) + " stage(s)");
+  }
+}
+
+TEST(Resume, AFinishedFitGoesOnOnlyWithTheStagesItRan) {
+  TempDir dir;
+  {
+    auto a = make_tiny_learner();
+    a->fit(std::vector<Stage>{make_stage("a", 2), make_stage("b", 1)});
+    a->save_checkpoint(dir.file("done"));
+  }
+  const auto refusal = [&](const std::vector<Stage>& stages) {
+    auto l = make_tiny_learner();
+    l->load_checkpoint(dir.file("done"));
+    try {
+      l->fit(stages);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(none)");
+  };
+  EXPECT_NE(refusal({make_stage("a", 3), make_stage("b", 1)}).find("stage 'a' ran 2 epochs, this fit gives it 3"),
+            std::string::npos);
+  EXPECT_NE(refusal({make_stage("a", 2), make_stage("c", 1)}).find("this fit's stage 2 is 'c'"), std::string::npos);
+  EXPECT_NE(refusal({make_stage("a", 2), make_stage("b", 0)}).find("ran 1 epochs, more than 0"), std::string::npos);
+}
+
 TEST(Resume, MismatchesAreClearCheckpointErrors) {
   TempDir dir;
   const std::string path = dir.file("c");
@@ -420,6 +468,36 @@ TEST(ResumeCli, SigkillMidRunThenResumeEqualsTheUninterruptedRun) {
   EXPECT_EQ(ra["fit"]["optimizer_steps"], rb["fit"]["optimizer_steps"]);
   EXPECT_EQ(ra["fit"]["final_loss"], rb["fit"]["final_loss"]);
   EXPECT_EQ(rb["resumed_from"].get<std::string>(), ckpt);
+}
+
+TEST(ResumeCli, AFinishedRunCarriesOnWithAnAddedStageOrMoreEpochs) {
+  // The killable config's two stages, trained as [first] and then carried on as
+  // [first, second] (--resume RUN) and with more epochs of second (--resume auto), end where
+  // the uninterrupted run of the same stages ends.
+  TempDir dir;
+  const std::string ref = dir.file("ref"), out = dir.file("run");
+  write_text(dir.file("ref.toml"), killable_config(ref));
+  std::string two = killable_config(out);
+  write_text(dir.file("run.toml"), two);
+  std::string one = two.substr(0, two.find("[[stages]]\nname = \"second\""));
+  write_text(dir.file("one.toml"), one);
+  ASSERT_EQ(run_cli("train " + dir.file("ref.toml") + " --set stages.1.epochs=4").exit_code, 0);
+  ASSERT_EQ(run_cli("train " + dir.file("one.toml")).exit_code, 0);
+  const auto refused = run_cli("train " + dir.file("one.toml") + " --resume auto");
+  EXPECT_NE(refused.exit_code, 0) << "the same config: nothing is left to train";
+  EXPECT_NE(refused.output.find("nothing is left to train"), std::string::npos) << refused.output;
+  const auto added = run_cli("train " + dir.file("run.toml") + " --resume " + out);
+  ASSERT_EQ(added.exit_code, 0) << added.output;
+  const auto longer = run_cli("train " + dir.file("run.toml") + " --resume auto --set stages.1.epochs=4");
+  ASSERT_EQ(longer.exit_code, 0) << longer.output;
+  const auto a = final_params(dir.file("ref.toml"), ref + "/checkpoints/last.ckpt");
+  const auto b = final_params(dir.file("run.toml"), out + "/checkpoints/last.ckpt");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+  const auto report = nlohmann::json::parse(read_text(out + "/report.json"));
+  EXPECT_EQ(report["fit"]["stages"].size(), 2u);
+  EXPECT_EQ(report["fit"]["iterations"],
+            nlohmann::json::parse(read_text(ref + "/report.json"))["fit"]["iterations"]);
 }
 
 TEST(ResumeCli, ResumeRefusesAnotherConfigAndAMissingCheckpoint) {

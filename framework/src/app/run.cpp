@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -435,8 +436,24 @@ std::vector<std::string> training_diffs(const std::map<std::string, std::string>
 
 }  // namespace
 
+namespace {
+// A finished fit of n stages may go on: stages.<n-1>.epochs and every key of stages.<n>... .
+void add_extension_keys(const std::map<std::string, std::string>& saved,
+                        const std::map<std::string, std::string>& now, std::set<std::string>& free) {
+  size_t n = 0;
+  while (saved.count("stages." + std::to_string(n) + ".name")) ++n;
+  if (n == 0) return;
+  free.insert("stages." + std::to_string(n - 1) + ".epochs");
+  for (const auto& [k, v] : now) {
+    if (k.rfind("stages.", 0) != 0) continue;
+    const size_t index = std::strtoull(k.c_str() + 7, nullptr, 10);
+    if (index >= n) free.insert(k);
+  }
+}
+}  // namespace
+
 void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path,
-                         const std::vector<std::string>& plugin_keys_outside_training) {
+                         const std::vector<std::string>& plugin_keys_outside_training, bool finished) {
   if (!info.is_object() || !info.contains("config") || !info["config"].is_string())
     throw ConfigError("checkpoint '" + path + "' holds no run config; it was not written by "
                       "`frugal train` and cannot be resumed with --resume");
@@ -452,6 +469,7 @@ void check_resume_config(const Config& c, const nlohmann::json& info, const std:
   for (const auto& k : c.keys_outside_training()) free.insert(k);
   for (const auto& k : plugin_keys_outside_training) free.insert(k);
   free.insert("plugins.path");  // where plugins are found (absolute in a run's config.toml)
+  if (finished) add_extension_keys(saved, now, free);
   const std::vector<std::string> diffs = training_diffs(saved, now, free, c.source);
   if (diffs.empty()) return;
   std::string list;

@@ -88,7 +88,10 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
   live();
   archive::ResumeRecord r;
   r.position = position();
-  for (const auto& s : stages_) r.stages.push_back(s.name);
+  for (const auto& s : stages_) {
+    r.stages.push_back(s.name);
+    r.stage_epochs.push_back(s.epochs);
+  }
   for (const auto& c : callbacks_) r.callbacks.push_back(c->name());
   r.optimizer = optimizer_options_.name;
   // The running loss belongs to the position's epoch only while it trains; between epochs it
@@ -194,12 +197,54 @@ std::optional<FitPosition> Learner::pending_resume() const {
 
 // ---------------------------------------------------------------- resume
 
-// Before before_fit: the stages must be the checkpoint's; counters and statistics continue.
+namespace {
+// A finished fit continues when this fit's stages are its stages with epochs added to the last
+// or stages appended: the position moves to the first epoch not yet run. False when the stages
+// are the same (nothing left to run). Throws when they differ otherwise.
+bool extend_finished(FitPosition& p, const std::vector<Stage>& now, const std::vector<std::string>& names,
+                     const std::vector<int64_t>& epochs, const std::string& path) {
+  const size_t n = names.size();
+  const auto refuse = [&](const std::string& why) {
+    throw CheckpointError("checkpoint '" + path + "' ends a finished fit with stages " + list(names) +
+                          "; " + why + ": a finished run continues with the same stages, epochs added to the "
+                          "last or stages appended");
+  };
+  for (size_t i = 0; i < n && i < now.size(); ++i)
+    if (now[i].name != names[i]) refuse("this fit's stage " + std::to_string(i + 1) + " is '" + now[i].name + "'");
+  if (now.size() < n) refuse("this fit has fewer");
+  if (!epochs.empty())
+    for (size_t i = 0; i + 1 < n; ++i)
+      if (now[i].epochs != epochs[i])
+        refuse("stage '" + names[i] + "' ran " + std::to_string(epochs[i]) + " epochs, this fit gives it " +
+               std::to_string(now[i].epochs));
+  const int64_t last_done = epochs.empty() ? now[n - 1].epochs : epochs[n - 1];
+  if (now[n - 1].epochs < last_done)
+    refuse("its last stage '" + names[n - 1] + "' ran " + std::to_string(last_done) + " epochs, more than " +
+           std::to_string(now[n - 1].epochs));
+  if (now[n - 1].epochs > last_done) {  // the last stage goes on
+    p.stage = static_cast<int64_t>(n - 1);
+    p.epoch = last_done;
+  } else if (now.size() > n) {  // the next stage starts
+    p.stage = static_cast<int64_t>(n);
+    p.epoch = 0;
+  } else {
+    return false;
+  }
+  p.batch = 0;
+  p.done = p.stop_fit = p.stop_epoch = false;
+  return true;
+}
+}  // namespace
+
+// Before before_fit: the stages must be the checkpoint's (a finished fit's may be extended);
+// counters and statistics continue.
 size_t Learner::prepare_resume() {
-  const PendingResume& r = *resume_;
+  PendingResume& r = *resume_;
   std::vector<std::string> now;
   for (const auto& s : stages_) now.push_back(s.name);
-  if (r.record.stages != now)
+  r.extended = r.record.position.done && !r.record.position.stop_fit &&
+               extend_finished(r.record.position, stages_, r.record.stages, r.record.stage_epochs, r.path);
+  if (r.record.stages != now && !r.extended)
     throw CheckpointError("checkpoint '" + r.path + "' was saved by a fit with stages " +
                           list(r.record.stages) + "; this fit has " + list(now) +
                           ": resume with the same stages");

@@ -12,6 +12,9 @@ struct Learner::PendingResume {
   archive::InputArchive archive;
   archive::ResumeRecord record;
   std::string path;
+  /// The record ended a finished fit that this fit extends (its position moved to the first
+  /// epoch not run yet).
+  bool extended = false;
 };
 
 }  // namespace frugal

@@ -324,6 +324,7 @@ nlohmann::json to_json(const ResumeRecord& r) {
   for (const auto& s : r.stats) stats.push_back(stats_to_json(s));
   return {{"position", position_json(r.position)},
           {"stages", r.stages},
+          {"stage_epochs", r.stage_epochs},
           {"stats", stats},
           {"callbacks", r.callbacks},
           {"optimizer", r.optimizer},
@@ -357,6 +358,10 @@ ResumeRecord read_resume(InputArchive& a, const std::string& path) {
   ResumeRecord r;
   r.position = position_from_json(j.at("position"));
   r.stages = j.at("stages").get<std::vector<std::string>>();
+  if (auto it = j.find("stage_epochs"); it != j.end() && it->is_array() && it->size() == r.stages.size())
+    for (const auto& e : *it)
+      if (e.is_number_integer() && e.get<int64_t>() >= 0) r.stage_epochs.push_back(e.get<int64_t>());
+  if (r.stage_epochs.size() != r.stages.size()) r.stage_epochs.clear();  // damaged: not extendable
   r.callbacks = j.at("callbacks").get<std::vector<std::string>>();
   r.optimizer = j.at("optimizer").get<std::string>();
   r.loss_count = j.at("loss_count").get<int64_t>();

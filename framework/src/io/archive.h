@@ -89,6 +89,9 @@ std::optional<RngState> read_rng(InputArchive& a, const torch::Device& device, i
 struct ResumeRecord {
   FitPosition position;
   std::vector<std::string> stages;     ///< the fit's stage names
+  /// Each stage's epochs (empty in checkpoints written before they were kept): what a finished
+  /// fit may be extended past.
+  std::vector<int64_t> stage_epochs;
   std::vector<std::string> callbacks;  ///< the callbacks it ran with
   std::string optimizer;               ///< the optimizer at the position
   int64_t loss_count = 0;              ///< batches in the position epoch's running loss

@@ -56,8 +56,11 @@ std::string resume_checkpoint(const std::string& where);
 /// checkpoint at `path` (its `info`). Keys whose fields are marked outside_training may differ:
 /// those of c.keys_outside_training() (run.out_dir, device, threads, progress, log_every,
 /// max_steps, the memory settings, checkpoint_*) and `plugin_keys_outside_training` (from
-/// PluginHost::keys_outside_training()).
+/// PluginHost::keys_outside_training()). `finished`: the checkpoint ends a finished fit, which
+/// may be extended: its last stage's epochs and the keys of stages after it may differ too
+/// (the Learner checks that the stages run are the same, with epochs added or stages appended).
 void check_resume_config(const Config& c, const nlohmann::json& info, const std::string& path,
-                         const std::vector<std::string>& plugin_keys_outside_training = {});
+                         const std::vector<std::string>& plugin_keys_outside_training = {},
+                         bool finished = false);
 
 }  // namespace frugal

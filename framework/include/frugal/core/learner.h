@@ -251,7 +251,7 @@ class Learner {
   /// generators are restored, and the loop continues with the next batch.
   nlohmann::json load_checkpoint(const std::string& path);
   /// The stored "resume" record of a checkpoint without touching any learner: "position",
-  /// "info", "stages", "optimizer". Throws CheckpointError like load_checkpoint.
+  /// "info", "stages", "stage_epochs", "optimizer". Throws CheckpointError like load_checkpoint.
   static nlohmann::json read_checkpoint(const std::string& path);
   /// The position a loaded checkpoint will resume from, until fit() consumes it.
   std::optional<FitPosition> pending_resume() const;
