@@ -94,30 +94,17 @@ std::string sweep_script(double suggestion) {
   return gp.str();
 }
 
-}  // namespace
-
-// fastai's valley (fastai/callback/schedule.py): the longest increasing run of "loss below an
-// earlier loss" ends at max_end; the suggestion sits a third plus a sixth of that run's length
-// past its start.
-size_t valley_index(const std::vector<double>& losses) {
-  const auto n = static_cast<int64_t>(losses.size());
-  if (n < 2) return 0;
-  std::vector<int64_t> lds(static_cast<size_t>(n), 1);
-  // Signed: a run starting at the first point gives max_start = -1, as in fastai's Python.
-  int64_t max_start = 0, max_end = 0;
-  for (int64_t i = 1; i < n; ++i) {
-    for (int64_t j = 0; j < i; ++j) {
-      if (losses[i] < losses[j] && lds[i] < lds[j] + 1) lds[i] = lds[j] + 1;
-      if (lds[max_end] < lds[i]) {
-        max_end = i;
-        max_start = max_end - lds[max_end];
-      }
-    }
-  }
-  const double sections = static_cast<double>(max_end - max_start) / 3.0;
-  const int64_t idx = max_start + static_cast<int64_t>(sections) + static_cast<int64_t>(sections / 2.0);
-  return static_cast<size_t>(std::clamp<int64_t>(idx, 0, n - 1));
+// fastai's valley over fastai's points; over the whole sweep when it ended before there were
+// any (fastai fails there), said so.
+size_t suggestion_index(const std::vector<double>& losses, int64_t num_it, spdlog::logger& log) {
+  if (auto i = suggested_index(losses, num_it)) return *i;
+  log.warn("lr_find: {} points, too few for fastai's (from point {} to the 6th from the end): "
+           "the valley is taken over all of them; a larger --num-it or a lower --end-lr gives more",
+           losses.size(), num_it / 10 + 1);
+  return valley_index(losses);
 }
+
+}  // namespace
 
 CLI::App* add_lr_find_command(CLI::App& app, LrFindArgs& a) {
   auto* cmd = app.add_subcommand("lr_find", "fastai's learning-rate finder: loss against an "
@@ -158,13 +145,8 @@ int run_lr_find(const LrFindArgs& a, spdlog::logger& log) {
   sweep.schedule = ScheduleOptions{};
   sweep.epochs = (a.num_it + learner->train_data().num_batches() - 1) / learner->train_data().num_batches();
   learner->fit(std::vector<Stage>{sweep});
-  // fastai leaves out the last 5 points, where the loss runs away.
-  std::vector<double> lrs = finder->lrs, losses = finder->losses;
-  const size_t keep = lrs.size() > 10 ? lrs.size() - 5 : lrs.size();
-  lrs.resize(keep);
-  losses.resize(keep);
-  if (lrs.empty()) throw Error("lr_find: no batch ran; the data has no training batch");
-  const double suggestion = lrs[valley_index(losses)];
+  if (finder->lrs.empty()) throw Error("lr_find: no batch ran; the data has no training batch");
+  const double suggestion = finder->lrs[suggestion_index(finder->losses, a.num_it, log)];
   write_file_atomic((fs::path(out) / "lr_find.csv").string(), sweep_csv(finder->lrs, finder->losses));
   write_file_atomic((fs::path(out) / "lr_find.gp").string(), sweep_script(suggestion));
   std::string why;

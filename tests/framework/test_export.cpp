@@ -117,6 +117,59 @@ TEST(Safetensors, EveryFlippedBitOfTheTensorsIsRefused) {
   EXPECT_EQ(safetensors::read(path).size(), tensors.size());
 }
 
+std::string init_config(const std::string& out_dir, int64_t classes, const std::string& init) {
+  return "[run]\nout_dir = \"" + out_dir + "\"\nprogress = \"none\"\nthreads = 1\nseed = 7\n"
+         "[data]\ndataset = \"synthetic\"\nsamples = 64\nimage_size = 8\nclasses = " + std::to_string(classes) +
+         "\nbatch_size = 16\nvalid_samples = -1\n[model]\narch = \"cnn\"\nwidth = 4\n" + init;
+}
+
+TEST(InitFrom, ARunStartsFromAnotherRunsWeightsExactly) {
+  TempDir dir;
+  auto a = make_learner(parse_config(init_config(dir.file("a"), 4, ""), "a.toml"));
+  a->fit(1);
+  safetensors::write(dir.file("a.safetensors"), safetensors::state_dict(*a->model()));
+  auto b = make_learner(parse_config(
+      init_config(dir.file("b"), 4, "init_from = \"" + dir.file("a.safetensors") + "\"\n"), "b.toml"));
+  const auto sa = safetensors::state_dict(*a->model()), sb = safetensors::state_dict(*b->model());
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i)
+    EXPECT_TRUE(torch::equal(sa[i].second, sb[i].second)) << sa[i].first << " (buffers too)";
+}
+
+TEST(InitFrom, AMismatchIsNamedAndNonStrictLoadsWhatMatches) {
+  TempDir dir;
+  auto a = make_learner(parse_config(init_config(dir.file("a"), 4, ""), "a.toml"));
+  safetensors::write(dir.file("a.safetensors"), safetensors::state_dict(*a->model()));
+  const std::string from = "init_from = \"" + dir.file("a.safetensors") + "\"\n";
+  try {  // 10 classes: the head is of another shape
+    make_learner(parse_config(init_config(dir.file("b"), 10, from), "b.toml"));
+    ADD_FAILURE() << "a head of another shape loaded";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("b.toml: model.init_from: '" + dir.file("a.safetensors") + "' does not match the model"),
+              std::string::npos) << m;
+    EXPECT_NE(m.find("of another shape: head."), std::string::npos) << m;
+    EXPECT_NE(m.find("file [4"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.init_strict = false"), std::string::npos) << m;
+  }
+  auto b = make_learner(parse_config(init_config(dir.file("b"), 10, from + "init_strict = false\n"), "b.toml"));
+  for (const auto& [name, t] : safetensors::state_dict(*b->model())) {
+    const auto& other = safetensors::state_dict(*a->model());
+    const auto it = std::find_if(other.begin(), other.end(), [&](const auto& p) { return p.first == name; });
+    ASSERT_NE(it, other.end()) << name;
+    if (name.rfind("head.", 0) == 0)
+      EXPECT_NE(t.sizes(), it->second.sizes()) << name;
+    else
+      EXPECT_TRUE(torch::equal(t, it->second)) << name << " was not loaded";
+  }
+  try {  // a folder without a model, named
+    make_learner(parse_config(init_config(dir.file("c"), 4, "init_from = \"" + dir.path().string() + "\"\n"), "c.toml"));
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a folder without a model.safetensors"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ModelExport, AFinishedRunKeepsItsWeightsAndTheyLoadBackExactly) {
   TempDir dir;
   const std::string out = dir.file("run");

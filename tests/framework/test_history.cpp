@@ -1,7 +1,9 @@
 // Learning-rate schedules, the metrics history (metrics.csv, metrics.jsonl), TensorBoard event
-// files and the "held by callbacks" column of the steady-state breakdown.
+// files, lr_find's valley and the "held by callbacks" column of the steady-state breakdown.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "../../framework/cli/lr_find.h"  // the valley's arithmetic is inline there
 #include "cli_support.h"
 #include "frugal/frugal.h"
 #include "learner_fixture.h"
@@ -93,6 +96,28 @@ MetricsHistoryOptions history_in(const std::string& dir, int64_t log_every) {
   h.log_every = log_every;
   h.plots = false;
   return h;
+}
+
+/// Makes the inputs of chosen iterations NaN: their losses are not finite.
+struct NanInputAtIterations : Callback {
+  explicit NanInputAtIterations(std::vector<int64_t> at) : iterations(std::move(at)) {}
+  std::string name() const override { return "nan_input_at_iterations"; }
+  void before_batch(Learner& l) override {
+    if (std::find(iterations.begin(), iterations.end(), l.iteration()) != iterations.end())
+      l.x() = l.x() * std::numeric_limits<float>::quiet_NaN();
+  }
+  std::vector<int64_t> iterations;
+};
+
+/// Every event of every event file in `dir`, oldest file first (by its first event's time: the
+/// names of one process's files in one second differ by a counter, which sorts as text).
+std::vector<std::vector<DecodedEvent>> event_files_in(const std::string& dir) {
+  std::vector<std::vector<DecodedEvent>> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out.push_back(read_event_file(e.path().string()));
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {  // each starts with its file version
+    return a.at(0).wall_time < b.at(0).wall_time;
+  });
+  return out;
 }
 
 }  // namespace
@@ -244,11 +269,13 @@ TEST(MetricsHistory, WritesARowEveryLogEveryBatchesAndPerEpoch) {
   };
   const std::vector<std::string> kinds = {"step", "step", "epoch", "step", "step", "epoch"};
   const std::vector<int64_t> iterations = {2, 4, 4, 6, 8, 8};
+  const std::vector<int64_t> epochs = {1, 1, 1, 2, 2, 2};  // 1-based, as the log and the report
   for (size_t r = 0; r < kinds.size(); ++r) {
     const auto f = csv_fields(csv[r + 1]);
     ASSERT_EQ(f.size(), header.size()) << csv[r + 1];
     EXPECT_EQ(f[col("kind")], kinds[r]);
     EXPECT_EQ(std::stoll(f[col("iteration")]), iterations[r]);
+    EXPECT_EQ(std::stoll(f[col("epoch")]), epochs[r]) << csv[r + 1];
     // The row's lr is the warm-up's at the row's last batch.
     EXPECT_DOUBLE_EQ(std::stod(f[col("lr")]), 1e-2 * std::min<int64_t>(iterations[r], 8) / 8.0) << csv[r + 1];
     EXPECT_GT(std::stod(f[col("loss")]), 0.0);
@@ -268,6 +295,7 @@ TEST(MetricsHistory, WritesARowEveryLogEveryBatchesAndPerEpoch) {
     const auto j = nlohmann::json::parse(jsonl[r]);
     EXPECT_EQ(j["kind"], kinds[r]);
     EXPECT_EQ(j["iteration"], iterations[r]);
+    EXPECT_EQ(j["epoch"], epochs[r]);
     EXPECT_EQ(j["stage"], "train");
     EXPECT_EQ(j.contains("valid_metric"), kinds[r] == "epoch");
     if (kinds[r] == "epoch") {
@@ -297,7 +325,7 @@ TEST(MetricsHistory, AResumedFitKeepsTheRowsBeforeItsPositionAndWritesTheRest) {
   // What a killed run leaves after its checkpoint: more rows and half a line.
   {
     std::ofstream more(dir.file("run/metrics.csv"), std::ios::app);
-    more << "step,0,0,4,4,4,train,9,9,9,9,9,9,,\nstep,0,0,5";
+    more << "step,0,1,4,4,4,train,9,9,9,9,9,9,,\nstep,0,1,5";
   }
   auto second = make_tiny_learner(history_setup());
   second->add_callback(std::make_shared<ScheduleCallback>());
@@ -319,21 +347,87 @@ TEST(MetricsHistory, AResumedFitKeepsTheRowsBeforeItsPositionAndWritesTheRest) {
   ASSERT_EQ(want.size(), 1u + 8u + 2u);
   EXPECT_EQ(got, want);
   EXPECT_EQ(lines_of(read_all(dir.file("run/metrics.jsonl"))).size(), 10u);
-  // TensorBoard: the resumed file starts with SessionLog START one past the resumed step (3):
-  // TensorBoard keeps the events below it, the rows the CSV kept, row 3 included.
-  int files = 0, starts = 0;
-  std::string names;
-  for (const auto& e : std::filesystem::directory_iterator(dir.file("run/tensorboard"))) {
-    ++files;
-    names += e.path().filename().string() + " ";
-    for (const auto& ev : read_event_file(e.path().string()))
-      if (ev.session_start) {
-        ++starts;
-        EXPECT_EQ(ev.step, 4);
-      }
+  // TensorBoard: each fit's file starts with a SessionLog START at its first step; the resumed
+  // one's is one past the resumed step (3): TensorBoard keeps the events below it, the rows the
+  // CSV kept, row 3 included.
+  const auto files = event_files_in(dir.file("run/tensorboard"));
+  ASSERT_EQ(files.size(), 2u);
+  std::vector<int64_t> starts;
+  for (const auto& events : files) {
+    ASSERT_GE(events.size(), 2u);
+    EXPECT_TRUE(events[1].session_start);
+    for (const auto& ev : events)
+      if (ev.session_start) starts.push_back(ev.step);
   }
-  EXPECT_EQ(files, 2) << names;
-  EXPECT_EQ(starts, 1);
+  EXPECT_EQ(starts, (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(files[1][1].session_msg, "fit resumed after iteration 3");
+}
+
+TEST(MetricsHistory, ARowSpanningAResumeAveragesEveryBatchOfItsWindow) {
+  // Rows every 3 batches, 4 batches an epoch: the first step row (iteration 3) covers batches
+  // 1-3; the run is stopped after batch 2 and resumed. Its row must average all three, as the
+  // uninterrupted run's, not only batch 3.
+  TempDir dir;
+  const std::vector<Stage> stages{make_stage("train", 2)};
+  {
+    auto ref = make_tiny_learner(history_setup());
+    ref->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("ref"), 3)));
+    ref->fit(stages);
+  }
+  {
+    auto first = make_tiny_learner(history_setup());
+    first->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 3)));
+    first->add_callback(std::make_shared<HistSaveAndStop>(dir.file("ck"), 2));
+    first->fit(stages);
+  }
+  auto second = make_tiny_learner(history_setup());
+  second->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 3)));
+  second->load_checkpoint(dir.file("ck"));
+  second->fit(stages);
+
+  const auto want = lines_of(read_all(dir.file("ref/metrics.csv")));
+  const auto got = lines_of(read_all(dir.file("run/metrics.csv")));
+  ASSERT_EQ(want.size(), 1u + 2u + 2u) << read_all(dir.file("ref/metrics.csv"));  // steps 3, 6; epochs
+  ASSERT_EQ(got.size(), want.size()) << read_all(dir.file("run/metrics.csv"));
+  for (size_t r = 1; r < want.size(); ++r) {
+    const auto w = csv_fields(want[r]), g = csv_fields(got[r]);
+    for (size_t c : {0u, 2u, 4u, 7u, 13u, 14u})  // kind, epoch, iteration, loss, validation
+      EXPECT_EQ(g[c], w[c]) << "row " << r << " column " << c << "\nwant " << want[r] << "\ngot  " << got[r];
+    // The resumed row's timing covers its three batches too.
+    EXPECT_GT(std::stod(g[9]), 0.0) << got[r];
+  }
+  const auto jw = nlohmann::json::parse(lines_of(read_all(dir.file("ref/metrics.jsonl")))[0]);
+  const auto jg = nlohmann::json::parse(lines_of(read_all(dir.file("run/metrics.jsonl")))[0]);
+  EXPECT_EQ(jg["loss"], jw["loss"]);
+}
+
+TEST(MetricsHistory, AWindowOfOnlySkippedStepsHasNoLoss) {
+  // run.on_nonfinite = "skip" with NaN inputs in batches 3 and 4: the row of batches 3-4 has no
+  // loss (an empty cell, null, no TensorBoard scalar), not a 0 that reads as a perfect fit.
+  TempDir dir;
+  auto l = make_tiny_learner(history_setup());
+  l->add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Skip));
+  l->add_callback(std::make_shared<NanInputAtIterations>(std::vector<int64_t>{2, 3}));
+  l->add_callback(std::make_shared<MetricsHistory>(history_in(dir.file("run"), 2)));
+  l->fit(1);  // step rows at 2 and 4, the epoch row at 4
+
+  const auto csv = lines_of(read_all(dir.file("run/metrics.csv")));
+  ASSERT_EQ(csv.size(), 4u) << read_all(dir.file("run/metrics.csv"));
+  EXPECT_GT(std::stod(csv_fields(csv[1])[7]), 0.0) << csv[1];
+  EXPECT_EQ(csv_fields(csv[2])[4], "4");
+  EXPECT_EQ(csv_fields(csv[2])[7], "") << csv[2];
+  EXPECT_GT(std::stod(csv_fields(csv[3])[7]), 0.0) << csv[3];  // the epoch's batches 1-2
+  const auto jsonl = lines_of(read_all(dir.file("run/metrics.jsonl")));
+  ASSERT_EQ(jsonl.size(), 3u);
+  EXPECT_TRUE(nlohmann::json::parse(jsonl[1])["loss"].is_null()) << jsonl[1];
+  EXPECT_TRUE(nlohmann::json::parse(jsonl[0])["loss"].is_number()) << jsonl[0];
+  const auto files = event_files_in(dir.file("run/tensorboard"));
+  ASSERT_EQ(files.size(), 1u);
+  ASSERT_EQ(files[0].size(), 5u);  // file version, START, the three rows
+  std::map<std::string, float> skipped(files[0][3].scalars.begin(), files[0][3].scalars.end());
+  EXPECT_EQ(files[0][3].step, 4);
+  EXPECT_EQ(skipped.count("train/loss"), 0u);
+  EXPECT_EQ(skipped.count("train/lr"), 1u);
 }
 
 // ---- TensorBoard --------------------------------------------------------------------------
@@ -357,6 +451,30 @@ TEST(TensorBoard, Crc32cAndTheEventEncodingMatchTheirSpecifications) {
   EXPECT_EQ(len, want.size());
 }
 
+TEST(TensorBoard, ASessionStartIsASessionLogInEventField7) {
+  // event.proto: Event.session_log = 7 (6 is the deprecated log_message, on which TensorBoard
+  // purges nothing); SessionLog.status = 1 with START = 1, msg = 3. By hand:
+  // Event{wall_time: 1.0, step: 4, session_log{status: START, msg: "m"}}.
+  const std::string want("\x09\x00\x00\x00\x00\x00\x00\xf0\x3f"  // field 1, fixed64 1.0
+                         "\x10\x04"                              // field 2, varint 4
+                         "\x3a\x05"                              // field 7, 5 bytes
+                         "\x08\x01"                              //   status: START
+                         "\x1a\x01" "m",                         //   msg "m"
+                         18);
+  EXPECT_EQ(session_start_event(1.0, 4, "m"), want);
+  EXPECT_EQ(session_start_event(1.0, 4), want.substr(0, 11) + "\x3a\x02\x08\x01");
+  TempDir dir;
+  const std::string path = dir.file("events");
+  std::ofstream(path, std::ios::binary) << tf_record(file_version_event(2.0)) << tf_record(want);
+  const auto events = read_event_file(path);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_FALSE(events[0].session_start);
+  EXPECT_TRUE(events[1].session_start);
+  EXPECT_EQ(events[1].step, 4);
+  EXPECT_DOUBLE_EQ(events[1].wall_time, 1.0);
+  EXPECT_EQ(events[1].session_msg, "m");
+}
+
 TEST(TensorBoard, TheRunsEventFileReadsBackWithTheHistorysScalars) {
   TempDir dir;
   auto l = make_tiny_learner(history_setup());
@@ -367,13 +485,20 @@ TEST(TensorBoard, TheRunsEventFileReadsBackWithTheHistorysScalars) {
   ASSERT_EQ(files.size(), 1u);
   EXPECT_EQ(files[0].filename().string().rfind("events.out.tfevents.", 0), 0u);
   const auto events = read_event_file(files[0].string());
-  ASSERT_EQ(events.size(), 4u);
+  ASSERT_EQ(events.size(), 5u);
   EXPECT_EQ(events[0].file_version, "brain.Event:2");
+  // A fresh fit starts with a SessionLog START at its first step, the first batch (1).
+  EXPECT_TRUE(events[1].session_start);
+  EXPECT_EQ(events[1].step, 1);
+  EXPECT_GT(events[1].wall_time, 1.6e9);  // seconds since 1970, now
+  EXPECT_EQ(events[1].session_msg, "fit started");
   const auto csv = lines_of(read_all(dir.file("run/metrics.csv")));
   for (size_t r = 1; r < 4; ++r) {
     const auto f = csv_fields(csv[r]);
-    EXPECT_EQ(events[r].step, std::stoll(f[4]));
-    std::map<std::string, float> v(events[r].scalars.begin(), events[r].scalars.end());
+    const DecodedEvent& e = events[r + 1];
+    EXPECT_FALSE(e.session_start);
+    EXPECT_EQ(e.step, std::stoll(f[4]));
+    std::map<std::string, float> v(e.scalars.begin(), e.scalars.end());
     const std::string prefix = f[0] == "epoch" ? "epoch/" : "train/";
     EXPECT_FLOAT_EQ(v.at(prefix + "loss"), static_cast<float>(std::stod(f[7])));
     EXPECT_FLOAT_EQ(v.at(prefix + "lr"), static_cast<float>(std::stod(f[8])));
@@ -390,7 +515,7 @@ TEST(TensorBoard, TheRunsEventFileReadsBackWithTheHistorysScalars) {
     ADD_FAILURE() << "a flipped byte was not noticed";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("CRC32C"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("record 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("record 4"), std::string::npos) << e.what();
   }
 }
 
@@ -441,6 +566,47 @@ TEST(LrFind, SweepsTheLrExponentiallyAndSuggestsOneOfIt) {
   EXPECT_GE(suggested, 1e-5 * 0.999);
   EXPECT_LE(suggested, 1.0);
   EXPECT_FALSE(std::filesystem::exists(dir.file("run/metrics.csv")));  // a sweep is not a run
+}
+
+// fastai's lr_find hands `valley` the points [num_it // 10 : -5] (cut before the first NaN), and
+// valley (fastai/callback/schedule.py) takes, over them, lds[i] = the longest decreasing run
+// ending at i; max_end = the first i with the largest lds, max_start = max_end - lds[max_end];
+// idx = max_start + int(len / 3) + int(len / 3 / 2) with len = max_end - max_start.
+TEST(LrFindValley, SkipsTheFirstTenthAndTheLastFivePointsAsFastai) {
+  const std::vector<double> losses = {3.0, 2.9, 2.8, 2.85, 2.7, 2.6,  2.5,  2.55, 2.4, 2.3,
+                                      2.2, 2.1, 2.5, 2.9,  3.5, 0.1, 0.05, 0.02, 5.0, 9.0};
+  // num_it = 20: points 2 .. 14, the losses 2.8 2.85 2.7 2.6 2.5 2.55 2.4 2.3 2.2 2.1 2.5 2.9
+  // 3.5 (the dip to 0.02 is in the last five). Their lds: 1 1 2 3 4 4 5 6 7 8 5 1 1, so
+  // max_end = 9 (2.1), max_start = 9 - 8 = 1, len 8: idx = 1 + int(2.67) + int(1.33) = 4,
+  // point 2 + 4 = 6 of the sweep (loss 2.5). (Over points 0 .. 14, as before: the run 3.0 .. 2.1
+  // of 10 ends at 11, max_start 1, idx = 1 + 3 + 1 = 5.)
+  const cli::SuggestionPoints p = cli::suggestion_points(losses, 20);
+  EXPECT_EQ(p.begin, 2u);
+  EXPECT_EQ(p.end, 15u);
+  EXPECT_EQ(cli::suggested_index(losses, 20), std::optional<size_t>(6));
+  EXPECT_EQ(cli::valley_index(std::vector<double>(losses.begin(), losses.end() - 5)), 5u);
+}
+
+TEST(LrFindValley, MatchesFastaisIndexArithmeticAtTheEdges) {
+  // A valley of the first two points only: max_start = 1 - 2 = -1, len 2, idx = -1 + 0 + 0:
+  // Python's lrs[-1], the last point.
+  EXPECT_EQ(cli::valley_index({2.0, 1.0}), 1u);
+  EXPECT_EQ(cli::valley_index({2.0, 1.0, 3.0, 4.0}), 3u);
+  // Three falling points: max_start -1, len 3, idx = -1 + 1 + 0 = 0.
+  EXPECT_EQ(cli::valley_index({3.0, 2.0, 1.0}), 0u);
+  EXPECT_EQ(cli::valley_index({1.0, 2.0, 3.0}), 0u);  // no valley: lds all 1, idx 0
+  EXPECT_EQ(cli::valley_index({5.0}), 0u);
+  // num_it = 10: points 1 .. 9 (of 15), cut before the NaN at 5: 2.9 2.8 2.7 2.6, lds 1 2 3 4,
+  // max_end 3, max_start -1, len 4: idx = -1 + 1 + 0 = 0, point 1. Without the cut the fall on
+  // to 0.2 would make a longer valley.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> with_nan = {3.0, 2.9, 2.8, 2.7, 2.6, nan, 2.0, 1.0,
+                                        0.5, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1};
+  EXPECT_EQ(cli::suggestion_points(with_nan, 10).end, 5u);
+  EXPECT_EQ(cli::suggested_index(with_nan, 10), std::optional<size_t>(1));
+  // Too short a sweep for fastai's points (it fails there): none.
+  EXPECT_FALSE(cli::suggested_index({3.0, 2.0, 1.0, 0.5, 0.4, 0.3}, 20).has_value());
+  EXPECT_FALSE(cli::suggested_index({3.0, 2.0}, 2).has_value());
 }
 
 // ---- held by callbacks --------------------------------------------------------------------

@@ -351,6 +351,28 @@ TEST(Resume, StateOfAMissingCallbackIsRefused) {
   EXPECT_EQ(st->count, 41) << "load_state got what save_state wrote";
 }
 
+TEST(Resume, AStateMarkedOptionalMayBeLeftUnread) {
+  // A callback only rank 0 runs (the metrics history) marks its state: the other ranks, and a
+  // run that turned it off, resume without it.
+  struct Optional : Callback {
+    std::string name() const override { return "optional"; }
+    void save_state(torch::serialize::OutputArchive& a) const override {
+      a.write(kOptionalState, c10::IValue(true));
+      a.write("count", c10::IValue(int64_t{7}));
+    }
+  };
+  TempDir dir;
+  {
+    auto a = make_tiny_learner();
+    a->add_callback(std::make_shared<Optional>());
+    a->add_callback(std::make_shared<SaveAndStop>(dir.file("c"), Event::AfterBatch, 2));
+    a->fit(1);
+  }
+  auto b = make_tiny_learner();
+  b->load_checkpoint(dir.file("c"));
+  EXPECT_NO_THROW(b->fit(1));
+}
+
 TEST(Resume, CheckpointWriterWritesEveryNStepsAndAtTheEnd) {
   TempDir dir;
   const TinySetup s = noisy_setup();

@@ -1,7 +1,7 @@
 // The run's safety nets: a non-finite loss or gradient stops the run naming where (or is skipped
-// and counted), amp's own skipped steps are not errors, early stopping waits `patience` epochs
-// for an improvement by more than min_delta, and run.save_best keeps the model of the best
-// epoch.
+// and counted, the model's buffers left as they were), amp's own skipped steps are not errors,
+// early stopping waits `patience` epochs for an improvement by more than min_delta, and
+// run.save_best keeps the model of the best epoch.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -143,6 +143,101 @@ TEST(NonFinite, AmpsOwnSkippedStepsUnderAHugeLossScaleAreNotErrors) {
   EXPECT_EQ(check->skipped(), 0);
   EXPECT_FALSE(check->last().has_value());
   EXPECT_TRUE(all_finite(*l->model()));
+}
+
+// ---------------------------------------------------------------- a skipped step's buffers
+
+std::vector<torch::Tensor> clone_buffers(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& b : m.buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.empty() || a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!torch::equal(a[i], b[i])) return false;
+  return true;
+}
+
+/// The model's buffers before batch `first` and after batch `last` (iterations): around a step.
+class BuffersAroundAStep : public Callback {
+ public:
+  BuffersAroundAStep(int64_t first, int64_t last) : first_(first), last_(last) {}
+  std::string name() const override { return "buffers_around_a_step"; }
+  void before_batch(Learner& l) override {
+    if (l.iteration() == first_) before = clone_buffers(*l.model());
+  }
+  void after_batch(Learner& l) override {
+    if (l.iteration() == last_) after = clone_buffers(*l.model());
+  }
+  std::vector<torch::Tensor> before, after;
+
+ private:
+  int64_t first_, last_;
+};
+
+/// Makes the input of one iteration NaN: BatchNorm's running statistics take NaN in its forward.
+struct NanInputAt : Callback {
+  explicit NanInputAt(int64_t at) : iteration(at) {}
+  std::string name() const override { return "nan_input_at"; }
+  void before_batch(Learner& l) override {
+    if (l.iteration() == iteration) l.x() = l.x() * std::numeric_limits<float>::quiet_NaN();
+  }
+  int64_t iteration;
+};
+
+TinySetup batch_norm_setup() {
+  TinySetup s;  // 64 samples, batches of 16: 4 per epoch
+  s.arch = "cnn";  // BatchNorm after each convolution
+  s.width = 4;
+  s.valid_samples = 0;
+  return s;
+}
+
+bool buffers_finite(torch::nn::Module& m) {
+  for (const auto& b : m.buffers())
+    if (b.is_floating_point() && !torch::isfinite(b).all().item<bool>()) return false;
+  return true;
+}
+
+TEST(NonFinite, ASkippedNanBatchLeavesBatchNormsRunningStatisticsAsTheyWere) {
+  auto l = make_tiny_learner(batch_norm_setup());
+  ASSERT_FALSE(l->model()->buffers().empty());
+  auto check = std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Skip);
+  auto around = std::make_shared<BuffersAroundAStep>(2, 2);
+  l->add_callback(check);
+  l->add_callback(std::make_shared<NanInputAt>(2));
+  l->add_callback(around);
+  l->fit(2);
+  EXPECT_EQ(check->skipped(), 1);
+  EXPECT_EQ(l->steps(), 7);
+  // running_mean, running_var and num_batches_tracked of every BatchNorm, bit for bit.
+  EXPECT_TRUE(all_equal(around->before, around->after));
+  EXPECT_TRUE(buffers_finite(*l->model()));
+  EXPECT_TRUE(all_finite(*l->model()));
+  EXPECT_GT(check->held_bytes(), 0);  // the copy, named in the memory breakdown
+}
+
+TEST(NonFinite, ASkippedAccumulatedStepRestoresTheBuffersOfItsFirstBatch) {
+  // grad_accum, 2 batches a step: batches 3 and 4 (iterations 2, 3) make one step. A NaN
+  // gradient in the first shows at the step, in the second batch's before_step; the skipped
+  // step undoes what both batches' forwards did to the buffers.
+  PluginHost host;
+  auto l = make_tiny_learner(batch_norm_setup());
+  for (auto& cb : host.load(plugins_of("[plugins.grad_accum]\nsteps = 2\nmode = \"accumulate\"\n"),
+                            "cfg.toml"))
+    l->add_callback(cb);
+  auto check = std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Skip);
+  auto around = std::make_shared<BuffersAroundAStep>(2, 3);
+  l->add_callback(check);
+  l->add_callback(std::make_shared<PoisonGradient>(last_parameter(*l), std::vector<int64_t>{2}));
+  l->add_callback(around);
+  l->fit(1);
+  EXPECT_EQ(check->skipped(), 1);
+  EXPECT_EQ(l->steps(), 1);
+  EXPECT_TRUE(all_equal(around->before, around->after));
+  EXPECT_TRUE(buffers_finite(*l->model()));
 }
 
 // ---------------------------------------------------------------- early stopping

@@ -30,6 +30,7 @@
 #include "frugal/data/task.h"
 #include "frugal/io/file_writer.h"
 #include "frugal/io/safetensors.h"
+#include "frugal/io/weights.h"
 #include "frugal/memory/fit_stats.h"
 #include "frugal/memory/memory.h"
 #include "frugal/models/registry.h"

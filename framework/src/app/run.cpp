@@ -23,6 +23,7 @@
 #include "frugal/callbacks/trace.h"
 #include "frugal/distributed/data_parallel.h"
 #include "frugal/distributed/distributed.h"
+#include "frugal/io/weights.h"
 #include "frugal/memory/memory.h"
 #include "frugal/models/registry.h"
 
@@ -301,6 +302,21 @@ void set_configured_threads(const Config& c) {
 }
 }  // namespace
 
+namespace {
+// model.init_from: the weights a run starts from, checked as any key is (file, name, shape).
+void init_model(const Config& c, torch::nn::Module& model) {
+  if (c.model.init_from.empty()) return;
+  try {
+    const InitReport r = named(c, "model.init_from", [&] {
+      return init_weights(model, c.model.init_from, c.model.init_strict, c.model.init_prefixes);
+    });
+    spdlog::info("model.init_from: {}", r.summary());
+  } catch (const CheckpointError& e) {
+    throw ConfigError(c.where("model.init_from") + ": model.init_from: " + e.what());
+  }
+}
+}  // namespace
+
 std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) {
   check_config(c);
   set_configured_threads(c);
@@ -324,6 +340,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
                    valid->dataset().size(), valid->dataset().size());
   }
   auto model = named(c, "model", [&] { return make_model(c.model, model_input(c, &train)); });
+  init_model(c, *model);
   LossFn loss = make_loss(c.loss);
   DataLoader train_loader(std::move(train), c.data.batch_size, c.data.shuffle,
                           static_cast<uint64_t>(c.run.seed), device);

@@ -65,13 +65,13 @@ std::vector<std::string> complete_lines(const std::string& path) {
   return out;
 }
 
-/// Whether a row (kind, stage index, epoch, iteration) was written before `p`: a resumed fit
-/// writes the rest again.
+/// Whether a row (kind, stage index, its 1-based epoch, iteration) was written before `p`: a
+/// resumed fit writes the rest again. The rows count epochs from 1, the position from 0.
 bool before_position(const std::string& kind, int64_t stage, int64_t epoch, int64_t iteration,
                      const FitPosition& p) {
   if (p.done) return true;
   if (kind == "step") return iteration <= p.iteration;
-  return stage < p.stage || (stage == p.stage && epoch < p.epoch);
+  return stage < p.stage || (stage == p.stage && epoch - 1 < p.epoch);
 }
 
 /// Rewrites metrics.csv and metrics.jsonl with the rows before `p`, atomically.
@@ -111,7 +111,8 @@ std::string metrics_csv_header() {
 std::string metrics_csv_line(const MetricsRow& r) {
   std::ostringstream os;
   os << r.kind << ',' << r.stage_index << ',' << r.epoch << ',' << r.batch << ',' << r.iteration
-     << ',' << r.step << ',' << csv_quote(r.stage) << ',' << csv_number(r.loss) << ',' << csv_number(r.lr)
+     << ',' << r.step << ',' << csv_quote(r.stage) << ',' << (r.loss ? csv_number(*r.loss) : "")
+     << ',' << csv_number(r.lr)
      << ',' << csv_number(r.samples_per_second) << ',' << csv_number(r.step_seconds) << ','
      << r.live_bytes << ',' << r.peak_bytes << ','
      << (r.valid_loss ? csv_number(*r.valid_loss) : "") << ','
@@ -123,7 +124,8 @@ std::string metrics_json_line(const MetricsRow& r) {
   nlohmann::json j = {{"kind", r.kind},         {"stage", r.stage},
                       {"stage_index", r.stage_index}, {"epoch", r.epoch},
                       {"batch", r.batch},       {"iteration", r.iteration},
-                      {"step", r.step},         {"loss", r.loss},
+                      {"step", r.step},
+                      {"loss", r.loss ? nlohmann::json(*r.loss) : nlohmann::json(nullptr)},
                       {"lr", r.lr},             {"samples_per_second", r.samples_per_second},
                       {"step_seconds", r.step_seconds}, {"live_bytes", r.live_bytes},
                       {"peak_bytes", r.peak_bytes},     {"time", r.wall_time}};
@@ -138,12 +140,12 @@ std::string metrics_json_line(const MetricsRow& r) {
 std::vector<Scalar> metrics_scalars(const MetricsRow& r) {
   constexpr double kMiB = 1024.0 * 1024.0;
   const std::string prefix = r.kind == "epoch" ? "epoch/" : "train/";
-  std::vector<Scalar> s = {{prefix + "loss", static_cast<float>(r.loss)},
-                           {prefix + "lr", static_cast<float>(r.lr)},
+  std::vector<Scalar> s = {{prefix + "lr", static_cast<float>(r.lr)},
                            {prefix + "samples_per_second", static_cast<float>(r.samples_per_second)},
                            {prefix + "step_seconds", static_cast<float>(r.step_seconds)},
                            {"memory/live_MiB", static_cast<float>(r.live_bytes / kMiB)},
                            {"memory/peak_MiB", static_cast<float>(r.peak_bytes / kMiB)}};
+  if (r.loss) s.insert(s.begin(), Scalar{prefix + "loss", static_cast<float>(*r.loss)});
   if (r.valid_loss) s.emplace_back("valid/loss", static_cast<float>(*r.valid_loss));
   if (r.valid_metric && r.valid_metric_name != "valid_loss")
     s.emplace_back("valid/" + r.valid_metric_name, static_cast<float>(*r.valid_metric));
@@ -167,16 +169,22 @@ void MetricsHistory::open_files(Learner& l) {
     if (fresh) csv_->write(metrics_csv_header());
     jsonl_ = std::make_unique<AppendFile>((fs::path(o_.dir) / kJsonl).string(), fresh);
   }
-  if (o_.tensorboard) {
-    const fs::path tb = fs::path(o_.dir) / "tensorboard";
-    if (!resumed && fs::exists(tb))  // a fresh fit's curves must not mix with an old run's
-      for (const auto& e : fs::directory_iterator(tb))
-        if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path());
-    events_ = std::make_unique<EventFileWriter>(tb.string());
-    // TensorBoard drops the events at steps >= a START's: the rows kept above go up to the
-    // resumed position itself, so the purge starts one past it.
-    if (resumed) events_->write(session_start_event(now_seconds(), resumed->iteration + 1));
-  }
+  if (o_.tensorboard) open_events(resumed);
+}
+
+void MetricsHistory::open_events(const std::optional<FitPosition>& resumed) {
+  const fs::path tb = fs::path(o_.dir) / "tensorboard";
+  if (!resumed && fs::exists(tb))  // a fresh fit's curves must not mix with an old run's
+    for (const auto& e : fs::directory_iterator(tb))
+      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path());
+  events_ = std::make_unique<EventFileWriter>(tb.string());
+  // SessionLog START at the fit's first step (rows are at 1-based iterations): TensorBoard drops
+  // the events of earlier files at steps >= a START's. The rows kept above go up to the resumed
+  // position itself, so the purge starts one past it.
+  const int64_t first = (resumed ? resumed->iteration : 0) + 1;
+  events_->write(session_start_event(
+      now_seconds(), first,
+      resumed ? "fit resumed after iteration " + std::to_string(resumed->iteration) : "fit started"));
 }
 
 void MetricsHistory::before_fit(Learner& l) {
@@ -217,7 +225,9 @@ void MetricsHistory::after_batch(Learner& l) {
 
 void MetricsHistory::after_epoch(Learner& l) {
   emit(row(l, "epoch", since_epoch_));
-  since_row_ = Window{};  // the next step row covers the batches after this epoch's row
+  // The next step row covers the batches after this epoch's row. Emptied here, not only in
+  // before_epoch: a checkpoint taken after this epoch saves no sums of it.
+  since_row_ = since_epoch_ = Window{};
 }
 
 void MetricsHistory::after_fit(Learner&) {
@@ -241,20 +251,25 @@ void MetricsHistory::add_loss(Window& w, const torch::Tensor& loss) {
   w.loss_sum = w.loss_sum.defined() ? w.loss_sum + v : v;
 }
 
+// The window's mean loss; none when no batch of it had one (each step skipped for a non-finite
+// loss, which the check drops): an empty cell, not a 0 that reads as a perfect fit.
+std::optional<double> MetricsHistory::mean_loss(const Window& w) {
+  if (w.losses == 0) return std::nullopt;
+  const double on_device = w.loss_sum.defined() ? w.loss_sum.item<double>() : 0.0;
+  return (w.cpu_loss_sum + on_device) / static_cast<double>(w.losses);
+}
+
 MetricsRow MetricsHistory::row(Learner& l, const std::string& kind, const Window& w) {
   MetricsRow r;
   r.kind = kind;
   r.stage = l.stage().name;
   r.stage_index = l.stage_index();
-  r.epoch = l.epoch();
+  r.epoch = l.epoch() + 1;  // 1-based, as the log and the report
   const bool epoch_row = kind == "epoch";
   r.iteration = epoch_row ? l.iteration() : l.iteration() + 1;  // the loop counts after after_batch
   r.batch = epoch_row ? l.num_batches() : l.batch_index() + 1;
   r.step = l.steps();
-  r.loss = epoch_row ? l.epoch_loss()
-                     : (w.losses ? (w.cpu_loss_sum + (w.loss_sum.defined() ? w.loss_sum.item<double>() : 0.0)) /
-                                       static_cast<double>(w.losses)
-                                 : 0.0);
+  if (w.losses > 0) r.loss = epoch_row ? l.epoch_loss() : *mean_loss(w);
   r.lr = learning_rate(l.optimizer());
   r.samples_per_second = w.seconds > 0 ? static_cast<double>(w.samples) / w.seconds : 0.0;
   r.step_seconds = w.batches ? w.seconds / static_cast<double>(w.batches) : 0.0;
@@ -269,6 +284,47 @@ MetricsRow MetricsHistory::row(Learner& l, const std::string& kind, const Window
   }
   r.wall_time = now_seconds();
   return r;
+}
+
+// Each sum as a double or an int64: a GPU's loss sum is read once, at the checkpoint.
+void MetricsHistory::save_window(torch::serialize::OutputArchive& a, const std::string& prefix,
+                                 const Window& w) {
+  const double on_device = w.loss_sum.defined() ? w.loss_sum.item<double>() : 0.0;
+  a.write(prefix + "loss_sum", c10::IValue(w.cpu_loss_sum + on_device));
+  a.write(prefix + "losses", c10::IValue(w.losses));
+  a.write(prefix + "samples", c10::IValue(w.samples));
+  a.write(prefix + "batches", c10::IValue(w.batches));
+  a.write(prefix + "seconds", c10::IValue(w.seconds));
+}
+
+MetricsHistory::Window MetricsHistory::load_window(torch::serialize::InputArchive& a,
+                                                   const std::string& prefix) {
+  Window w;
+  c10::IValue v;
+  if (a.try_read(prefix + "loss_sum", v) && v.isDouble()) w.cpu_loss_sum = v.toDouble();
+  if (a.try_read(prefix + "losses", v) && v.isInt()) w.losses = v.toInt();
+  if (a.try_read(prefix + "samples", v) && v.isInt()) w.samples = v.toInt();
+  if (a.try_read(prefix + "batches", v) && v.isInt()) w.batches = v.toInt();
+  if (a.try_read(prefix + "seconds", v) && v.isDouble()) w.seconds = v.toDouble();
+  return w;
+}
+
+// A checkpoint between the rows of a window holds its sums: the row written after a resume
+// averages the batches before the checkpoint too, as the uninterrupted run's does. Nothing when
+// both windows are empty (a checkpoint after an epoch): the Learner refuses a checkpoint holding
+// the state of a callback the resuming run lacks, and a resume may turn the history off.
+void MetricsHistory::save_state(torch::serialize::OutputArchive& a) const {
+  if (since_row_.batches == 0 && since_epoch_.batches == 0) return;
+  // Rank 0 alone keeps the history, and a resumed run may turn it off: the others skip it.
+  a.write(kOptionalState, c10::IValue(true));
+  save_window(a, "row.", since_row_);
+  save_window(a, "epoch.", since_epoch_);
+}
+
+// After the resumed position's before_* events, which emptied both windows.
+void MetricsHistory::load_state(Learner&, torch::serialize::InputArchive& a) {
+  since_row_ = load_window(a, "row.");
+  since_epoch_ = load_window(a, "epoch.");
 }
 
 void MetricsHistory::emit(const MetricsRow& r) {

@@ -31,6 +31,29 @@ std::optional<std::string> first_nonfinite_gradient(const torch::nn::Module& m) 
   return std::nullopt;
 }
 
+namespace {
+
+// Whether `b` can take copies of `a` (same count, each the same shape, type and device).
+bool same_layout(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].defined() != b[i].defined()) return false;
+    if (a[i].defined() && (a[i].sizes() != b[i].sizes() || a[i].dtype() != b[i].dtype() ||
+                           a[i].device() != b[i].device()))
+      return false;
+  }
+  return true;
+}
+
+// Learner::zero_grad sets gradients to none: none defined = no step under way.
+bool has_pending_gradient(const torch::nn::Module& m) {
+  for (const auto& p : m.parameters())
+    if (p.grad().defined()) return true;
+  return false;
+}
+
+}  // namespace
+
 nlohmann::json NonFiniteEvent::to_json() const {
   // JSON has no NaN or infinity: a non-finite loss is written as its text ("nan", "inf").
   const nlohmann::json l = std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss));
@@ -62,6 +85,21 @@ NonFiniteCheck::Mode NonFiniteCheck::parse_mode(const std::string& s) {
 void NonFiniteCheck::before_fit(Learner&) {
   skipped_ = 0;
   last_.reset();
+  snapshot_due_ = true;  // a fit (and a resumed one: checkpoints hold no gradients) starts a step
+}
+
+// The step's first forward: later ones (micro-batches, the batches of an accumulation group, a
+// retry after running out of memory) belong to the same step and keep the first one's copy.
+void NonFiniteCheck::before_forward(Learner& l) {
+  if (mode_ != Mode::Skip || !snapshot_due_) return;
+  snapshot_buffers(l);
+  snapshot_due_ = false;
+}
+
+// The next forward starts a step when no gradient is pending: this batch stepped, or its step
+// was skipped and the gradients dropped. An accumulation group's inner batch keeps them.
+void NonFiniteCheck::after_batch(Learner& l) {
+  if (mode_ == Mode::Skip) snapshot_due_ = !has_pending_gradient(*l.model());
 }
 
 void NonFiniteCheck::before_step(Learner& l) {
@@ -89,10 +127,41 @@ void NonFiniteCheck::before_step(Learner& l) {
   if (mode_ == Mode::Fail) throw Error(e.describe());
   // A non-finite loss is left out of the epoch's loss, the progress line and the history.
   if (!std::isfinite(e.loss)) l.loss() = torch::Tensor();
+  // The step's forwards updated the buffers from a non-finite batch: back to before them (also
+  // when another callback skipped the step: amp's scaler drops a NaN batch's gradients, not
+  // what its forward did to BatchNorm's statistics).
+  restore_buffers(l);
   if (skipped_by_another) return;
   ++skipped_;
   l.skip_step();
   l.zero_grad();
+}
+
+void NonFiniteCheck::snapshot_buffers(Learner& l) {
+  torch::NoGradGuard no_grad;
+  const std::vector<torch::Tensor> now = l.model()->buffers();
+  if (!same_layout(now, buffers_)) {  // the first step, or a stage rewrote the model
+    buffers_.clear();
+    for (const auto& b : now) buffers_.push_back(b.defined() ? b.detach().clone() : torch::Tensor());
+    return;
+  }
+  for (size_t i = 0; i < now.size(); ++i)
+    if (now[i].defined()) buffers_[i].copy_(now[i]);
+}
+
+void NonFiniteCheck::restore_buffers(Learner& l) const {
+  torch::NoGradGuard no_grad;
+  const std::vector<torch::Tensor> now = l.model()->buffers();
+  if (!same_layout(now, buffers_)) return;  // no copy of this model's buffers
+  for (size_t i = 0; i < now.size(); ++i)
+    if (now[i].defined()) now[i].copy_(buffers_[i]);
+}
+
+int64_t NonFiniteCheck::held_bytes() const {
+  int64_t n = 0;
+  for (const auto& b : buffers_)
+    if (b.defined()) n += static_cast<int64_t>(b.nbytes());
+  return n;
 }
 
 nlohmann::json NonFiniteCheck::record() const {

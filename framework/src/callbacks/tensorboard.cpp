@@ -1,5 +1,5 @@
 // TensorBoard event files: CRC32C, TFRecord framing, the few protobuf fields an Event with
-// scalars needs (written and read), and the append-only file the histories share.
+// scalars or a SessionLog needs (written and read), and the append-only file the histories share.
 #include "frugal/callbacks/tensorboard.h"
 
 #include <fcntl.h>
@@ -124,15 +124,16 @@ void decode_summary(const std::string& m, const std::string& where, DecodedEvent
   }
 }
 
-bool is_session_start(const std::string& m, const std::string& where) {
+// SessionLog: status = 1 (an enum, START = 1), checkpoint_path = 2, msg = 3.
+void decode_session_log(const std::string& m, const std::string& where, DecodedEvent& e) {
   Cursor c{m, 0, where};
-  bool start = false;
   while (!c.done()) {
     const uint64_t tag = c.varint();
-    if ((tag >> 3) == 1 && (tag & 7) == 0) start = c.varint() == 1;  // status: START = 1
-    else c.skip(static_cast<int>(tag & 7));
+    const int field = static_cast<int>(tag >> 3), wire = static_cast<int>(tag & 7);
+    if (field == 1 && wire == 0) e.session_start = c.varint() == 1;
+    else if (field == 3 && wire == 2) e.session_msg = c.bytes();
+    else c.skip(wire);
   }
-  return start;
 }
 
 DecodedEvent decode_event(const std::string& m, const std::string& where) {
@@ -145,7 +146,7 @@ DecodedEvent decode_event(const std::string& m, const std::string& where) {
     else if (field == 2 && wire == 0) e.step = static_cast<int64_t>(c.varint());
     else if (field == 3 && wire == 2) e.file_version = c.bytes();
     else if (field == 5 && wire == 2) decode_summary(c.bytes(), where, e);
-    else if (field == 6 && wire == 2) e.session_start = is_session_start(c.bytes(), where);
+    else if (field == 7 && wire == 2) decode_session_log(c.bytes(), where, e);
     else c.skip(wire);
   }
   return e;
@@ -196,12 +197,15 @@ std::string scalars_event(double wall_time, int64_t step, const std::vector<Scal
   return e;
 }
 
-std::string session_start_event(double wall_time, int64_t step) {
+std::string session_start_event(double wall_time, int64_t step, const std::string& msg) {
   std::string log;
   put_tag(log, 1, 0);
   put_varint(log, 1);  // SessionLog.status = START
+  if (!msg.empty()) put_bytes(log, 3, msg);
   std::string e = event_head(wall_time, step);
-  put_bytes(e, 6, log);
+  // Field 7, session_log: TensorBoard purges on it. Field 6 is the deprecated log_message,
+  // which it reads as a log line and purges nothing on.
+  put_bytes(e, 7, log);
   return e;
 }
 

@@ -201,6 +201,15 @@ void ModelOptions::visit(FieldVisitor& v) {
   v.field("n_embd", n_embd, "gpt: embedding size", at_least(1));
   v.field("block_size", block_size, "gpt: longest context in tokens; 0 = data.block_size",
           at_least(0));
+  v.field("init_from", init_from,
+          "start from these weights: a model.safetensors (a run's, or any with the model's "
+          "tensor names) or a run folder; \"\" = fresh weights from run.seed");
+  v.field("init_strict", init_strict,
+          "init_from: every tensor loaded must be in the file with its shape, and the file may "
+          "hold no other; false = load what matches by name and shape, and log the rest");
+  v.field("init_prefixes", init_prefixes,
+          "init_from: load only the model's tensors whose names start with one of these "
+          "(\"features\", \"stem\"); [] = all");
 }
 
 void ModelOptions::check() const {

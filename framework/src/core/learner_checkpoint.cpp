@@ -13,6 +13,10 @@ namespace frugal {
 
 namespace {
 
+bool contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
 std::string list(const std::vector<std::string>& v) {
   std::string out;
   for (const auto& n : v) out += (out.empty() ? "" : ", ") + n;
@@ -326,7 +330,8 @@ void Learner::load_callback_states(PendingResume& r) {
     const bool present = std::any_of(callbacks_.begin(), callbacks_.end(),
                                      [&](const auto& c) { return c->name() == name; });
     archive::InputArchive state;
-    if (!present && archive::read_callback_state(r.archive, name, state) && !state.keys().empty())
+    if (!present && archive::read_callback_state(r.archive, name, state) && !state.keys().empty() &&
+        !contains(state.keys(), kOptionalState))
       throw CheckpointError("checkpoint '" + r.path + "' holds the state of callback '" + name +
                             "', which this run does not have (is its plugin configured?)");
   }

@@ -454,7 +454,8 @@ void check_keys_are_read(const DataOptions& d, const ModelOptions& m,
   DataOptions data = d, data_defaults;
   check_section(datasets(), d.dataset, "data", data, data_defaults, data_shared);
   ModelOptions model = m, model_defaults;
-  check_section(models(), m.arch, "model", model, model_defaults, {"arch"});
+  check_section(models(), m.arch, "model", model, model_defaults,
+                {"arch", "init_from", "init_strict", "init_prefixes"});
   const auto e = datasets().get(d.dataset);
   if (!e.reads) return;
   const auto reads = [&](const char* key) {

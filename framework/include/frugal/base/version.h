@@ -8,5 +8,5 @@ inline constexpr const char* kVersion = "0.1.0";
 // bytes released, allocator_stats(); Limits::or_auto. 6: headers in
 // subsystem folders; Callback::retry_veto, optimizer_replaced; Learner::collective,
 // completes_step (the Learner's layout changed); OptimizerOptions::own is an OwnKeys.
-inline constexpr int kAbiVersion = 6;
+inline constexpr int kAbiVersion = 7;
 }  // namespace frugal

@@ -4,9 +4,12 @@
 /// metrics.jsonl, the same scalars in TensorBoard event files (<out_dir>/tensorboard/), and
 /// gnuplot plots of them (<out_dir>/metrics.svg, .png) when the fit ends.
 ///
-/// A row: kind (step | epoch), stage, stage_index, epoch, batch, iteration (training batches
-/// done in the fit), step (optimizer steps), loss (mean training loss of the batches since the
-/// previous row; of the epoch for an epoch row), lr (the optimizer's first group's), samples/s
+/// A row: kind (step | epoch), stage, stage_index, epoch (within the stage, 1-based: 1 is the
+/// first, as the log and the report count), batch (within the epoch, 1-based), iteration
+/// (training batches done in the fit), step (optimizer steps), loss (mean training loss of the
+/// batches since the previous row; of the epoch for an epoch row; empty in metrics.csv, null in
+/// metrics.jsonl and left out of TensorBoard when no batch of it had a loss: every step skipped
+/// for a non-finite one), lr (the optimizer's first group's), samples/s
 /// and mean step_seconds since the previous row, live_bytes now, peak_bytes (the highest live
 /// bytes since the previous row), and on epoch rows with validation valid_loss and
 /// valid_metric (the task's headline number, named in metrics.jsonl's "valid_metric_name").
@@ -21,6 +24,7 @@
 
 #include "frugal/callbacks/tensorboard.h"
 #include "frugal/core/callback.h"
+#include "frugal/memory/fit_stats.h"
 #include "frugal/memory/memory.h"
 
 namespace frugal {
@@ -29,8 +33,11 @@ namespace frugal {
 struct MetricsRow {
   std::string kind;  ///< "step" | "epoch"
   std::string stage;
-  int64_t stage_index = 0, epoch = 0, batch = 0, iteration = 0, step = 0;
-  double loss = 0, lr = 0, samples_per_second = 0, step_seconds = 0;
+  int64_t stage_index = 0;
+  int64_t epoch = 1;  ///< within the stage, 1-based (Learner::epoch() + 1)
+  int64_t batch = 0, iteration = 0, step = 0;
+  std::optional<double> loss;  ///< none when no batch of the row had a loss
+  double lr = 0, samples_per_second = 0, step_seconds = 0;
   int64_t live_bytes = 0, peak_bytes = 0;
   std::optional<double> valid_loss, valid_metric;
   std::string valid_metric_name;
@@ -56,8 +63,9 @@ struct MetricsHistoryOptions {
 
 /// The in-tree callback that writes the history. A fresh fit starts the files over; a resumed
 /// fit keeps the rows before its position and appends (rows a killed run wrote after its last
-/// checkpoint go), and starts a new event file whose SessionLog START makes TensorBoard drop
-/// the old files' events from that step on.
+/// checkpoint go). Every fit starts a new event file with a SessionLog START at its first step,
+/// which makes TensorBoard drop the old files' events from that step on. The sums of the rows
+/// under way travel with checkpoints, so a row that spans a resume averages all its batches.
 class MetricsHistory : public Callback {
  public:
   explicit MetricsHistory(MetricsHistoryOptions o);
@@ -72,6 +80,13 @@ class MetricsHistory : public Callback {
   void after_epoch(Learner& l) override;
   void after_fit(Learner& l) override;
 
+  /// The sums of the step row and the epoch row under way (absent in older checkpoints: they
+  /// start from zero); nothing when both are empty (after an epoch). Marked kOptionalState:
+  /// the other ranks of a data-parallel run have no history, nor has a run resumed with
+  /// run.metrics and run.tensorboard off.
+  void save_state(torch::serialize::OutputArchive& a) const override;
+  void load_state(Learner&, torch::serialize::InputArchive& a) override;
+
  private:
   struct Window {  // sums since the previous row
     torch::Tensor loss_sum;  // on a GPU
@@ -80,9 +95,13 @@ class MetricsHistory : public Callback {
     double seconds = 0;
   };
   static void add_loss(Window& w, const torch::Tensor& loss);
+  static std::optional<double> mean_loss(const Window& w);
+  static void save_window(torch::serialize::OutputArchive& a, const std::string& prefix, const Window& w);
+  static Window load_window(torch::serialize::InputArchive& a, const std::string& prefix);
   MetricsRow row(Learner& l, const std::string& kind, const Window& w);
   void emit(const MetricsRow& r);
   void open_files(Learner& l);
+  void open_events(const std::optional<FitPosition>& resumed);
 
   MetricsHistoryOptions o_;
   std::unique_ptr<AppendFile> csv_, jsonl_;

@@ -3,7 +3,11 @@
 /// every gradient are checked for inf/NaN. A non-finite one stops the fit with an error naming
 /// the stage, epoch, batch and the first offending parameter (the step is not taken, so the
 /// parameters and every checkpoint written so far stay good), or, with on_nonfinite = "skip",
-/// the step is skipped (Learner::skip_step, the gradients dropped) and counted.
+/// the step is skipped (Learner::skip_step, the gradients dropped) and counted. A skipped step
+/// leaves the model as it was: its forwards updated buffers (BatchNorm's running statistics,
+/// NaN after a NaN batch), so the buffers are copied before the step's first forward (the first
+/// after the last step, or after the gradients were last dropped: an accumulation group's
+/// first batch) and copied back when the step is skipped.
 ///
 /// A step another callback already skipped is not checked: amp's loss scaler skips steps whose
 /// scaled gradients overflowed (and backs its scale off), grad_accum skips the steps of an
@@ -13,6 +17,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -51,9 +56,15 @@ class NonFiniteCheck : public Callback {
   std::string name() const override { return "nonfinite_check"; }
   int order() const override { return order::kNonFiniteCheck; }
   void before_fit(Learner& l) override;
+  /// Mode::Skip: copies the model's buffers at the step's first forward.
+  void before_forward(Learner& l) override;
   /// Checks the loss and the gradients of a step no other callback skipped. Data parallel:
   /// one all-reduce of the verdict, so every rank fails or skips the same step.
   void before_step(Learner& l) override;
+  /// Mode::Skip: notes whether the next forward starts a new step (no gradient is pending).
+  void after_batch(Learner& l) override;
+  /// Mode::Skip: the bytes of the buffers' copy.
+  int64_t held_bytes() const override;
 
   Mode mode() const { return mode_; }
   /// Steps skipped for a non-finite loss or gradient in this fit (Mode::Skip).
@@ -68,9 +79,16 @@ class NonFiniteCheck : public Callback {
   void load_state(Learner&, torch::serialize::InputArchive& a) override;
 
  private:
+  void snapshot_buffers(Learner& l);
+  void restore_buffers(Learner& l) const;
+
   Mode mode_;
   int64_t skipped_ = 0;
   std::optional<NonFiniteEvent> last_;
+  // Mode::Skip: the buffers as they were before the step under way, in tensors allocated once
+  // (again only if the model's buffers change: a stage rewrote the model).
+  std::vector<torch::Tensor> buffers_;
+  bool snapshot_due_ = true;  // the next forward starts a step
 };
 
 }  // namespace frugal

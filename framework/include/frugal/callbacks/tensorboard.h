@@ -2,8 +2,10 @@
 /// TensorBoard event files without TensorFlow or protobuf: TFRecord framing (length, masked
 /// CRC32C of the length, data, masked CRC32C of the data) around hand-encoded `Event` messages
 /// (tensorflow/core/util/event.proto: wall_time = 1, step = 2, file_version = 3, summary = 5,
-/// session_log = 6; Summary.value = 1; Value.tag = 1, Value.simple_value = 2). `tensorboard
-/// --logdir runs/` reads them as scalars. The reader is the check: it verifies both CRCs.
+/// session_log = 7 (6 is the deprecated log_message); Summary.value = 1; Value.tag = 1,
+/// Value.simple_value = 2; SessionLog.status = 1 (START = 1), checkpoint_path = 2, msg = 3).
+/// `tensorboard --logdir runs/` reads them as scalars. The reader is the check: it verifies
+/// both CRCs.
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -24,17 +26,18 @@ using Scalar = std::pair<std::string, float>;
 std::string file_version_event(double wall_time);
 /// An encoded Event with scalars at `step`.
 std::string scalars_event(double wall_time, int64_t step, const std::vector<Scalar>& scalars);
-/// An encoded Event with SessionLog START at `step`: TensorBoard drops the events of earlier
-/// files at or after that step (a resumed run replaces what its killed predecessor wrote after
-/// its last checkpoint).
-std::string session_start_event(double wall_time, int64_t step);
+/// An encoded Event with a SessionLog (Event field 7) of status START at `step`, and `msg` when
+/// not empty: TensorBoard drops the events of earlier files at or after that step (a resumed
+/// run replaces what its killed predecessor wrote after its last checkpoint).
+std::string session_start_event(double wall_time, int64_t step, const std::string& msg = "");
 
 /// What read_event_file decodes of one Event.
 struct DecodedEvent {
   double wall_time = 0;
   int64_t step = 0;
   std::string file_version;
-  bool session_start = false;
+  bool session_start = false;  ///< a SessionLog (field 7) with status START
+  std::string session_msg;     ///< its msg
   std::vector<Scalar> scalars;
 };
 /// Reads an event file, checking each record's two CRCs. Throws Error naming the file and the

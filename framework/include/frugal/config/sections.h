@@ -125,6 +125,10 @@ struct ModelOptions : Options {
   int64_t n_head = 4;        ///< attention heads; must divide n_embd
   int64_t n_embd = 128;      ///< embedding size
   int64_t block_size = 0;    ///< longest context (position table); 0 = data.block_size
+  // every model: the weights it starts from (io/weights.h)
+  std::string init_from;                   ///< a .safetensors file or a run folder; "" = fresh
+  bool init_strict = true;                 ///< every tensor matched, none left over
+  std::vector<std::string> init_prefixes;  ///< load only these blocks; empty = all
   void visit(FieldVisitor& v) override;
   void check() const override;
 };

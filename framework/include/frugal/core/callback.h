@@ -85,6 +85,9 @@ struct CallbackRelations {
   bool innermost_forward = false;
 };
 
+/// A key a callback writes in its save_state to say a run without it may ignore the state.
+inline constexpr const char* kOptionalState = "frugal.optional";
+
 class Callback {
  public:
   virtual ~Callback();
@@ -146,7 +149,10 @@ class Callback {
   // ---- state across a resume, and what a callback holds ----
   /// Writes what this callback needs to continue the same run after a resume (a loss scale,
   /// a position in an accumulation group, whether it swapped the optimizer). Saved in the
-  /// Learner's checkpoint under the callback's name. Default: nothing.
+  /// Learner's checkpoint under the callback's name. Default: nothing. A resume without this
+  /// callback refuses a checkpoint holding its state, unless the state holds the key
+  /// kOptionalState (any value): a callback only rank 0 runs, or one a resumed run may turn
+  /// off (the metrics history), marks its state so.
   virtual void save_state(torch::serialize::OutputArchive&) const {}
   /// Reads what save_state wrote. Runs before the optimizer's state is loaded, so a callback
   /// that replaced the optimizer replaces it again first (hence the Learner). Default: nothing.
