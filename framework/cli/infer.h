@@ -3,6 +3,7 @@
 // (config.toml and model.pt, no optimizer state), sampled or scored. CLI-internal.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -24,7 +25,18 @@ struct EvaluateArgs {
   bool json = false;
 };
 
+struct PredictArgs {
+  std::string run_dir;
+  std::vector<std::string> inputs;  ///< image files, CSV files or rows ("1.5,2,0")
+  int64_t top = 3;                  ///< classes shown per input
+  bool json = false;
+};
+
 CLI::App* add_generate_command(CLI::App& app, GenerateArgs& a);
+CLI::App* add_predict_command(CLI::App& app, PredictArgs& a);
+/// Prints each input's prediction (class and probabilities, or the value), read from the run
+/// folder alone (config.toml, model.pt, data.json); exit 0.
+int run_predict(const PredictArgs& a);
 CLI::App* add_evaluate_command(CLI::App& app, EvaluateArgs& a);
 /// Prints the prompt and its continuation; exit code 0. Throws for a folder that holds no
 /// trained language model.

@@ -203,10 +203,11 @@ struct Args {
   frugal::cli::PlanArgs plan;
   frugal::cli::GenerateArgs generate;
   frugal::cli::EvaluateArgs evaluate;
+  frugal::cli::PredictArgs predict;
   frugal::cli::LrFindArgs lr_find;
   CLI::App *train_cmd = nullptr, *check_cmd = nullptr, *plugins_cmd = nullptr,
            *keys_cmd = nullptr, *ablate_cmd = nullptr, *plan_cmd = nullptr,
-           *generate_cmd = nullptr, *evaluate_cmd = nullptr, *lr_find_cmd = nullptr;
+           *generate_cmd = nullptr, *evaluate_cmd = nullptr, *predict_cmd = nullptr, *lr_find_cmd = nullptr;
 };
 
 void add_commands(CLI::App& app, Args& a) {
@@ -230,6 +231,7 @@ void add_commands(CLI::App& app, Args& a) {
   a.plan_cmd = frugal::cli::add_plan_command(app, a.plan);
   a.generate_cmd = frugal::cli::add_generate_command(app, a.generate);
   a.evaluate_cmd = frugal::cli::add_evaluate_command(app, a.evaluate);
+  a.predict_cmd = frugal::cli::add_predict_command(app, a.predict);
   a.lr_find_cmd = frugal::cli::add_lr_find_command(app, a.lr_find);
 }
 
@@ -252,6 +254,7 @@ int dispatch(const Args& a, const std::shared_ptr<spdlog::logger>& log, const ch
     if (*a.plan_cmd) return frugal::cli::run_plan(a.plan, *log, argv0);
     if (*a.generate_cmd) return frugal::cli::run_generate(a.generate);
     if (*a.evaluate_cmd) return frugal::cli::run_evaluate(a.evaluate);
+    if (*a.predict_cmd) return frugal::cli::run_predict(a.predict);
     if (*a.lr_find_cmd) return frugal::cli::run_lr_find(a.lr_find, *log);
   } catch (const frugal::ConfigError& e) {
     log->error("{}", e.what());

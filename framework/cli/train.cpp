@@ -12,6 +12,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "frugal/app/model_export.h"
 #include "frugal/app/plugin_host.h"
 #include "frugal/app/preflight.h"
 #include "frugal/app/run.h"
@@ -415,6 +416,7 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   if (world.distributed() && (rc == 0 || rc == kExitInterrupted))
     extra["distributed"].update(rank_summary(*learner));
   if (!world.is_main()) return rc;  // rank 0 reports for the run
+  write_run_data(cfg.run.out_dir, run_data(cfg, learner->train_data().dataset()));
   auto report = make_report(*learner, cfg, extra);
   write_report(cfg.run.out_dir, report, cfg);
   std::cout << report_markdown(report) << std::flush;

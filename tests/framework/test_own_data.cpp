@@ -6,10 +6,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
+#include "frugal/app/model_export.h"
 #include "frugal/app/preflight.h"
 #include "frugal/app/run.h"
 #include "frugal/base/error.h"
@@ -318,6 +320,73 @@ TEST(RegressionCli, TrainEvaluateAndTheReportSpeakRmse) {
   EXPECT_EQ(j["task"], "regression");
   EXPECT_EQ(j["valid_metric"]["name"], "rmse");
   EXPECT_NEAR(j["valid_metric"]["value"].get<double>(), rmse, 1e-9);
+}
+
+/// The JSON lines a `predict --json` printed (stdout and stderr come together).
+std::vector<nlohmann::json> json_lines(const std::string& output) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty() && line[0] == '{') out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(PredictCli, ImagesArePredictedFromTheRunFolderAloneAsTheModelSeesThem) {
+  TempDir dir;
+  write_folder(dir.file("train"));
+  write_solid(dir.file("valid/zebra/v.png"), 5, 5, {100, 100, 100}, false);
+  write_solid(dir.file("new/x.png"), 12, 10, {30, 40, 220}, false);
+  write_text(dir.file("i.toml"),
+             "[run]\nthreads = 1\nprogress = \"none\"\nout_dir = \"" + dir.file("run") + "\"\n[data]\n"
+             "dataset = \"image_folder\"\npath = \"" + dir.file("train") + "\"\nvalid_path = \"" +
+             dir.file("valid") + "\"\nchannels = 3\nimage_size = 8\nbatch_size = 2\n"
+             "[model]\narch = \"mlp\"\nwidth = 8\n[[stages]]\nepochs = 2\n");
+  ASSERT_EQ(test::run_cli("train " + dir.file("i.toml")).exit_code, 0);
+  fs::rename(dir.file("train"), dir.file("moved"));  // predict reads the run folder only
+  const test::CliResult r = test::run_cli("predict " + dir.file("run") + " " + dir.file("new/x.png") + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto p = json_lines(r.output);
+  ASSERT_EQ(p.size(), 1u) << r.output;
+  // What the model gives for the image decoded, resized and normalized as training did.
+  fs::rename(dir.file("moved"), dir.file("train"));
+  RunModel run = load_run_model(dir.file("run"));
+  const Dataset d = load_image_folder(dir.file("train"), 3, 8);
+  torch::NoGradGuard g;
+  const auto probs = torch::softmax(
+      run.model->forward(prepare_images(decode_image(dir.file("new/x.png"), 3, 8).unsqueeze(0), d.mean, d.std, 0)), 1)[0];
+  const int64_t best = probs.argmax().item<int64_t>();
+  EXPECT_EQ(p[0]["class"], d.classes[static_cast<size_t>(best)]);
+  EXPECT_NEAR(p[0]["top"][0]["probability"].get<double>(), probs[best].item<double>(), 1e-6);
+  EXPECT_EQ(p[0]["top"].size(), 3u) << "three classes, --top 3";
+}
+
+TEST(PredictCli, CsvRowsAreStandardizedWithTheTrainingStatisticsKeptInTheRunFolder) {
+  TempDir dir;
+  write_linear_csv(dir.file("train.csv"), 64, 0);
+  write_linear_csv(dir.file("valid.csv"), 32, 1000);
+  std::string toml = regression_toml(dir);
+  toml.replace(toml.find("[run]\n"), 6, "[run]\nprogress = \"none\"\n");
+  write_text(dir.file("r.toml"), toml);
+  ASSERT_EQ(test::run_cli("train " + dir.file("r.toml")).exit_code, 0);
+  const nlohmann::json data = nlohmann::json::parse(test::read_text(dir.file("run/data.json")));
+  EXPECT_EQ(data["features"]["names"], nlohmann::json({"a", "b"}));
+  fs::remove(dir.file("train.csv"));
+  write_text(dir.file("rows.csv"), "y,b,a\n0,0.5,0.25\n");  // any column order, the label ignored
+  const test::CliResult r = test::run_cli("predict " + dir.file("run") + " 0.25,0.5 " + dir.file("rows.csv") + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto p = json_lines(r.output);
+  ASSERT_EQ(p.size(), 2u) << r.output;
+  EXPECT_EQ(p[0]["value"], p[1]["value"]) << "the same row, given two ways";
+  const auto mean = data["features"]["mean"], sd = data["features"]["std"];
+  RunModel run = load_run_model(dir.file("run"));
+  torch::NoGradGuard g;
+  const auto x = torch::tensor({static_cast<float>((0.25 - mean[0].get<double>()) / sd[0].get<double>()),
+                                static_cast<float>((0.5 - mean[1].get<double>()) / sd[1].get<double>())}).reshape({1, 2});
+  EXPECT_NEAR(p[0]["value"].get<double>(), run.model->forward(x).item<double>(), 1e-6);
+  const test::CliResult bad = test::run_cli("predict " + dir.file("run") + " 1,2,3");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("3 values; the model takes 2 features in this order: [\"a\",\"b\"]"), std::string::npos)
+      << bad.output;
 }
 
 TEST(Regression, TheLossMustMatchTheTask) {

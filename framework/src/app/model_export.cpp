@@ -2,11 +2,14 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 
 #include "frugal/app/run.h"
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
+#include "frugal/io/file_writer.h"
 #include "frugal/io/safetensors.h"
+#include "frugal/models/registry.h"
 #include "io/archive.h"
 
 namespace frugal {
@@ -82,6 +85,44 @@ std::string model_path(const RunOptions& r) { return (fs::path(r.out_dir) / "mod
 
 std::string best_model_path(const RunOptions& r) { return (fs::path(r.out_dir) / "best.pt").string(); }
 
+nlohmann::json run_data(const Config& c, const Dataset& train) {
+  const ModelInput in = config_model_input(c, &train);
+  nlohmann::json j = {
+      {"dataset", c.data.dataset},
+      {"task", train.is_text() ? "language_model" : train.is_regression() ? "regression" : "classification"},
+      {"input", {{"channels", in.channels}, {"image_size", in.image_size}, {"image_sizes", in.image_sizes},
+                 {"num_classes", in.num_classes}, {"block_size", in.block_size}, {"seed", in.seed}}},
+      {"classes", train.classes}};
+  if (!train.is_text() && !train.is_tabular())  // images: decoded at their native size
+    j["images"] = {{"mean", train.mean}, {"std", train.std}, {"size", train.height()}};
+  if (train.is_tabular())
+    j["features"] = {{"names", train.feature_names}, {"mean", train.feature_mean}, {"std", train.feature_std}};
+  return j;
+}
+
+void write_run_data(const std::string& out_dir, const nlohmann::json& data) {
+  write_file_atomic((fs::path(out_dir) / "data.json").string(), data.dump(2) + "\n");
+}
+
+namespace {
+// The config's model for the input data.json records (no data file read).
+torch::nn::Sequential built_for(const Config& c, const nlohmann::json& j) {
+  ModelInput in;
+  try {
+    in.channels = j.at("channels").get<int64_t>();
+    in.image_size = j.at("image_size").get<int64_t>();
+    in.image_sizes = j.at("image_sizes").get<std::vector<int64_t>>();
+    in.num_classes = j.at("num_classes").get<int64_t>();
+    in.block_size = j.at("block_size").get<int64_t>();
+    in.seed = j.at("seed").get<uint64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("data.json: damaged input record: " + std::string(e.what()));
+  }
+  torch::NoGradGuard g;
+  return make_model(c.model, in);
+}
+}  // namespace
+
 RunModel load_run_model(const std::string& run_dir, const torch::Device& device) {
   const fs::path dir(run_dir);
   const fs::path config = dir / "config.toml";
@@ -90,12 +131,21 @@ RunModel load_run_model(const std::string& run_dir, const torch::Device& device)
     throw_config_error(run_dir + ": not a run folder: it has no config.toml (frugal train writes "
                        "one into run.out_dir)");
   RunModel r;
-  r.loaded = load_config_with_plugins(config.string());
+  // data.json holds what the model is built for: the training files are not read again.
+  r.loaded = load_config_with_plugins(config.string(), {}, !fs::is_regular_file(dir / "data.json"));
   const fs::path weights = dir / "model.pt";
   if (!fs::is_regular_file(weights))
     throw CheckpointError(weights.string() + ": no trained model in this run folder (a run writes "
                           "model.pt when its fit ends; this one did not finish)");
-  r.model = make_config_model(r.loaded.config);
+  std::error_code ec;
+  if (fs::is_regular_file(dir / "data.json", ec)) {
+    std::ifstream f(dir / "data.json");
+    r.data = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+    if (r.data.is_discarded() || !r.data.is_object() || !r.data.contains("input"))
+      throw CheckpointError((dir / "data.json").string() + ": damaged (not the JSON a run writes)");
+  }
+  r.model = r.data.is_object() ? built_for(r.loaded.config, r.data["input"])
+                               : make_config_model(r.loaded.config);
   r.model->to(device);
   archive::InputArchive a;
   archive::open(weights.string(), device, a);

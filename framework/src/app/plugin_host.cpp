@@ -561,7 +561,7 @@ std::vector<std::shared_ptr<Callback>> PluginHost::create_callbacks(
 }
 
 ConfigWithPlugins load_config_with_plugins(const std::string& path,
-                                           const std::vector<std::string>& overrides) {
+                                           const std::vector<std::string>& overrides, bool read_data) {
   ConfigWithPlugins out;
   const toml::table plugins = read_plugins_table(path, overrides);
   const std::vector<std::string> folders = PluginHost::config_paths(plugins, path, /*check_exists=*/true);
@@ -574,7 +574,10 @@ ConfigWithPlugins load_config_with_plugins(const std::string& path,
     for (const auto& f : folders) absolute.push_back(f);
     out.config.plugins.insert_or_assign("path", std::move(absolute));
   }
-  check_config(out.config);
+  if (read_data)
+    check_config(out.config);
+  else
+    check_config_names(out.config);
   return out;
 }
 

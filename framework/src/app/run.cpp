@@ -134,6 +134,8 @@ void check_own_data(const Config& c) {
 }
 }  // namespace
 
+ModelInput config_model_input(const Config& c, const Dataset* data) { return model_input(c, data); }
+
 torch::nn::Sequential make_config_model(const Config& c) {
   return named(c, "model", [&] { return make_model(c.model, model_input(c, nullptr)); });
 }
@@ -172,7 +174,7 @@ void check_crop_padding(const Config& c) {
 }
 }  // namespace
 
-void check_config(const Config& c) {
+void check_config_names(const Config& c) {
   named(c, "data.dataset", [&] { return datasets().get(c.data.dataset); });
   named(c, "loss.name", [&] { return losses().get(c.loss.name); });
   named(c, "model.arch", [&] { return models().get(c.model.arch); });
@@ -182,6 +184,10 @@ void check_config(const Config& c) {
     const std::string what = e.what();
     throw ConfigError(c.where(what.substr(0, what.find(' '))) + ": " + what);
   }
+}
+
+void check_config(const Config& c) {
+  check_config_names(c);
   check_crop_padding(c);
   if (c.data.dataset == "text") {
     try {

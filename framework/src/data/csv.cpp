@@ -211,6 +211,10 @@ Dataset load_csv(const std::string& path, const CsvSpec& spec, const std::string
     d.labels = class_labels(t, d.classes, path);
     d.num_classes = static_cast<int64_t>(d.classes.size());
   }
+  d.feature_names = ref.header;
+  d.feature_names.erase(d.feature_names.begin() + static_cast<std::ptrdiff_t>(ref.label));
+  d.feature_mean = mean;
+  d.feature_std = sd;
   d.name = "csv";
   return d;
 }

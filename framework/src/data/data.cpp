@@ -245,6 +245,8 @@ Dataset load_fashion_mnist(const std::string& dir, bool train) {
   d.num_classes = 10;
   d.mean = 0.2860;
   d.std = 0.3530;
+  d.classes = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+               "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};  // its README's
   d.name = "fashion-mnist";
   return d;
 }

@@ -111,6 +111,12 @@ void decode_into(const std::string& file, int64_t channels, int64_t size, uint8_
 
 }  // namespace
 
+torch::Tensor decode_image(const std::string& file, int64_t channels, int64_t size) {
+  torch::Tensor out = torch::empty({channels, size, size}, torch::kUInt8);
+  decode_into(file, channels, size, out.data_ptr<uint8_t>());
+  return out;
+}
+
 ImageFolderListing list_image_folder(const std::string& dir, const std::vector<std::string>& classes) {
   std::vector<std::string> folders, strays;
   scan_root(dir, folders, strays);

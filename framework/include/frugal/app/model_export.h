@@ -78,11 +78,21 @@ std::string model_path(const RunOptions& r);
 /// <out_dir>/best.pt: where run.save_best keeps the best model (best.safetensors beside it).
 std::string best_model_path(const RunOptions& r);
 
+/// <out_dir>/data.json: what a trained model needs of its data to be built and fed again, so
+/// `evaluate` and `predict` read the run folder, not the training files: the task, the model's
+/// input (channels, image sizes, classes or vocabulary, block size), the image normalization,
+/// the class names and, for a CSV, the feature columns with the training split's means and
+/// standard deviations.
+nlohmann::json run_data(const Config& c, const Dataset& train);
+void write_run_data(const std::string& out_dir, const nlohmann::json& data);
+
 /// A trained run, loaded back: its resolved config (with its plugins loaded, since a plugin may
-/// register the model) and its model with the exported weights, in eval mode.
+/// register the model), its model with the exported weights, in eval mode, and its data.json
+/// (null for a run written before it was kept).
 struct RunModel {
   ConfigWithPlugins loaded;
   torch::nn::Sequential model{nullptr};
+  nlohmann::json data;
 };
 
 /// Reads <run_dir>/config.toml, builds its model on `device` and loads <run_dir>/model.pt into

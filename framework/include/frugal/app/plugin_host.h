@@ -117,8 +117,10 @@ struct ConfigWithPlugins {
 };
 /// Reads [plugins] of the file at `path` (read_plugins_table), loads those plugins, then reads
 /// and validates the whole config (load_config) and checks what it names against the
-/// registries (check_config). Throws ConfigError or PluginError.
+/// registries (check_config; with `read_data` false only the names, not the data files: a run
+/// folder's model is rebuilt without its training data). Throws ConfigError or PluginError.
 ConfigWithPlugins load_config_with_plugins(const std::string& path,
-                                           const std::vector<std::string>& overrides = {});
+                                           const std::vector<std::string>& overrides = {},
+                                           bool read_data = true);
 
 }  // namespace frugal

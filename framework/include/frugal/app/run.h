@@ -18,6 +18,9 @@ torch::Device resolve_device(const std::string& device);
 /// budget against the bytes the run will hold) is preflight() (frugal/preflight.h), which
 /// `frugal check` and `frugal train` run too.
 void check_config(const Config& c);
+/// The names only (dataset, loss, model against the registries; the keys they read), no file
+/// read: what rebuilding a run folder's model needs (load_run_model).
+void check_config_names(const Config& c);
 
 /// Loads the data, builds the model, loss and optimizer: a Learner ready to fit(c.stages).
 /// Seeds LibTorch with run.seed and sets run.threads first. With run.checkpoint_every or
@@ -38,6 +41,9 @@ std::unique_ptr<Learner> make_checked_learner(const Config& c, const StopRequest
 /// (no data is read): what load_run_model fills with a run's exported weights. Throws
 /// ConfigError naming the file and `model`.
 torch::nn::Sequential make_config_model(const Config& c);
+/// What the config's model is built for: from the loaded training data when given, else from
+/// the config (and the files of image_folder and csv).
+ModelInput config_model_input(const Config& c, const Dataset* data = nullptr);
 
 /// What the safety nets make_learner adds did, for the run report: {"nonfinite": the
 /// NonFiniteCheck's record (mode, skipped_steps, the event that failed or was last skipped),

@@ -41,6 +41,10 @@ struct Dataset {
   /// Class names in label order (image_folder: the sub-folders; csv classification: the label
   /// values); empty when the labels are only numbers.
   std::vector<std::string> classes;
+  /// Tabular data: the feature columns' names and the training split's mean and standard
+  /// deviation of each (what a prediction standardizes a new row with).
+  std::vector<std::string> feature_names;
+  std::vector<double> feature_mean, feature_std;
 
   bool is_text() const { return tokens.defined(); }
   bool is_tabular() const { return features.defined(); }
@@ -62,6 +66,10 @@ torch::Tensor read_idx(const std::string& path);
 std::vector<int64_t> idx_shape(const std::string& path);
 /// Writes an IDX file, gzip'd when the path ends in .gz (used by tests and tools).
 void write_idx(const std::string& path, const torch::Tensor& data);
+
+/// One PNG or JPEG file as uint8 [channels, size, size] (converted and resized as image_folder
+/// does). Throws DataError naming the file.
+torch::Tensor decode_image(const std::string& file, int64_t channels, int64_t size);
 
 /// The default place of Debian's dataset-fashion-mnist package.
 inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
