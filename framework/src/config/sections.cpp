@@ -161,7 +161,8 @@ void DataOptions::visit(FieldVisitor& v) {
           "text data: random training windows per epoch; 0 = training bytes / block_size",
           at_least(0));
   v.field("valid_path", valid_path,
-          "image_folder: the validation folder; csv: the validation file");
+          "image_folder: the validation folder; csv: the validation file; text: a held-out "
+          "file or folder (\"\" = the corpus' last tenth)");
   v.field("label_column", label_column, "csv: the label column's header name; \"\" = the last column");
   v.field("task", task, "csv: what the label is: class labels or regression targets",
           {"classification", "regression"});
