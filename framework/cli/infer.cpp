@@ -59,12 +59,33 @@ int run_generate(const GenerateArgs& a) {
   return 0;
 }
 
+namespace {
+/// The validation split, labelled and standardized as training did. image_folder and csv read
+/// their training files for that (the class folders; the columns' statistics); a run folder's
+/// data.json keeps them, so the training data may have moved.
+Dataset validation_split(const DataOptions& d, const nlohmann::json& run_data) {
+  if (!run_data.is_object() || (d.dataset != "image_folder" && d.dataset != "csv")) return make_dataset(d, false);
+  if (d.valid_path.empty()) return make_dataset(d, false);  // names what is missing
+  const auto classes = run_data.value("classes", std::vector<std::string>{});
+  Dataset v;
+  if (d.dataset == "image_folder") {
+    v = load_image_folder(d.valid_path, d.channels, d.image_size, classes);
+  } else {
+    const auto& f = run_data.at("features");
+    CsvStats train{f.at("names").get<std::vector<std::string>>(), f.at("mean").get<std::vector<double>>(),
+                   f.at("std").get<std::vector<double>>(), classes};
+    v = load_csv(d.valid_path, CsvSpec{d.label_column, d.task == "regression"}, train);
+  }
+  return d.valid_samples > 0 ? v.head(d.valid_samples) : v;
+}
+}  // namespace
+
 int run_evaluate(const EvaluateArgs& a) {
   RunModel run = load_run_model(a.run_dir);
   DataOptions d = run.loaded.config.data;
   if (a.samples > 0) d.valid_samples = a.samples;
   if (d.valid_samples < 0) d.valid_samples = 0;  // the run trained without validation: all
-  const Dataset data = make_dataset(d, false);
+  const Dataset data = validation_split(d, run.data);
   const Task task = task_for(data);
   const DataLoader loader(data, a.batch_size > 0 ? a.batch_size : d.valid_batch_size, false, 0);
   const MetricSums sums =

@@ -310,6 +310,24 @@ pid_t start_rank(int rank, int world, int port, const std::vector<std::string>& 
   return start_train(args, log);
 }
 
+/// A socket listening on a free port of `address` that never accepts: the port is taken.
+struct Listener {
+  explicit Listener(in_addr_t address = INADDR_LOOPBACK) : fd(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(address);
+    socklen_t len = sizeof(a);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    ::listen(fd, 8);
+    port = ntohs(a.sin_port);
+  }
+  ~Listener() { ::close(fd); }
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  int fd = -1, port = 0;
+};
+
 TEST(DataParallelFaults, RanksStartedWithDifferentConfigsAreRefusedBeforeTraining) {
   TempDir dir;
   write_text(dir.file("run.toml"), dp_config(dir.file("run")));
@@ -347,23 +365,16 @@ TEST(DataParallelFaults, ARankPointedAtAPortThatNeverAnswersEndsAtTheTimeout) {
   TempDir dir;
   write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 2\n"));
   // A listening socket nobody reads: the kernel accepts the connection, no answer ever comes.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::listen(fd, 8);
+  const Listener listener;
+  ASSERT_GT(listener.port, 0);
   const auto t0 = std::chrono::steady_clock::now();
-  const pid_t r1 = start_rank(1, 2, ntohs(a.sin_port), {"train", dir.file("run.toml")}, dir.file("log"));
+  const pid_t r1 = start_rank(1, 2, listener.port, {"train", dir.file("run.toml")}, dir.file("log"));
   const int s = wait_child(r1);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ::close(fd);
   const std::string log = read_text(dir.file("log"));
   ASSERT_TRUE(WIFEXITED(s)) << log;
   EXPECT_EQ(WEXITSTATUS(s), 1) << log;
-  EXPECT_NE(log.find("rank 1 of 2: no rendezvous at 127.0.0.1:" + std::to_string(ntohs(a.sin_port))),
+  EXPECT_NE(log.find("rank 1 of 2: no rendezvous at 127.0.0.1:" + std::to_string(listener.port)),
             std::string::npos) << log;
   EXPECT_LT(seconds, 15) << "ended on its own, not after the test's wait: " << log;
 }
@@ -371,18 +382,11 @@ TEST(DataParallelFaults, ARankPointedAtAPortThatNeverAnswersEndsAtTheTimeout) {
 TEST(DataParallelFaults, APortInUseIsAClearError) {
   TempDir dir;
   write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 2\n"));
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(a);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::listen(fd, 1);
-  const int port = ntohs(a.sin_port);
+  const Listener listener(INADDR_ANY);
+  const int port = listener.port;
+  ASSERT_GT(port, 0);
   const pid_t r0 = start_rank(0, 2, port, {"train", dir.file("run.toml")}, dir.file("log"));
   const int s = wait_child(r0);
-  ::close(fd);
   const std::string log = read_text(dir.file("log"));
   ASSERT_TRUE(WIFEXITED(s)) << log;
   EXPECT_EQ(WEXITSTATUS(s), 1) << log;

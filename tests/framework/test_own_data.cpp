@@ -295,14 +295,19 @@ TEST(Regression, TinyCsvTrainedAFewStepsLowersTheRmse) {
   EXPECT_EQ(estimated_data_bytes(c), l->data_bytes());
 }
 
-TEST(RegressionCli, TrainEvaluateAndTheReportSpeakRmse) {
-  TempDir dir;
+/// The regression CSVs and config in `dir`, trained through the CLI into dir/run.
+test::CliResult train_regression_run(const TempDir& dir) {
   write_linear_csv(dir.file("train.csv"), 64, 0);
   write_linear_csv(dir.file("valid.csv"), 32, 1000);
   std::string toml = regression_toml(dir);
   toml.replace(toml.find("[run]\n"), 6, "[run]\nprogress = \"none\"\n");
   write_text(dir.file("r.toml"), toml);
-  const test::CliResult train = test::run_cli("train " + dir.file("r.toml"));
+  return test::run_cli("train " + dir.file("r.toml"));
+}
+
+TEST(RegressionCli, TrainEvaluateAndTheReportSpeakRmse) {
+  TempDir dir;
+  const test::CliResult train = train_regression_run(dir);
   ASSERT_EQ(train.exit_code, 0) << train.output;
   const nlohmann::json report = nlohmann::json::parse(test::read_text(dir.file("run/report.json")));
   const double rmse = report["fit"]["valid_rmse"].get<double>();
@@ -347,6 +352,12 @@ TEST(PredictCli, ImagesArePredictedFromTheRunFolderAloneAsTheModelSeesThem) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto p = json_lines(r.output);
   ASSERT_EQ(p.size(), 1u) << r.output;
+  // evaluate too: the classes come from data.json, not the moved training folder.
+  const test::CliResult ev = test::run_cli("evaluate " + dir.file("run") + " --json");
+  ASSERT_EQ(ev.exit_code, 0) << ev.output;
+  const auto report = nlohmann::json::parse(test::read_text(dir.file("run/report.json")));
+  EXPECT_NEAR(nlohmann::json::parse(ev.output.substr(ev.output.find('{')))["valid_metric"]["value"].get<double>(),
+              report["fit"]["valid_accuracy"].get<double>(), 1e-9);
   // What the model gives for the image decoded, resized and normalized as training did.
   fs::rename(dir.file("moved"), dir.file("train"));
   RunModel run = load_run_model(dir.file("run"));
@@ -362,15 +373,15 @@ TEST(PredictCli, ImagesArePredictedFromTheRunFolderAloneAsTheModelSeesThem) {
 
 TEST(PredictCli, CsvRowsAreStandardizedWithTheTrainingStatisticsKeptInTheRunFolder) {
   TempDir dir;
-  write_linear_csv(dir.file("train.csv"), 64, 0);
-  write_linear_csv(dir.file("valid.csv"), 32, 1000);
-  std::string toml = regression_toml(dir);
-  toml.replace(toml.find("[run]\n"), 6, "[run]\nprogress = \"none\"\n");
-  write_text(dir.file("r.toml"), toml);
-  ASSERT_EQ(test::run_cli("train " + dir.file("r.toml")).exit_code, 0);
+  ASSERT_EQ(train_regression_run(dir).exit_code, 0);
   const nlohmann::json data = nlohmann::json::parse(test::read_text(dir.file("run/data.json")));
   EXPECT_EQ(data["features"]["names"], nlohmann::json({"a", "b"}));
   fs::remove(dir.file("train.csv"));
+  const test::CliResult ev = test::run_cli("evaluate " + dir.file("run") + " --json");
+  ASSERT_EQ(ev.exit_code, 0) << "the statistics come from data.json: " << ev.output;
+  EXPECT_NEAR(nlohmann::json::parse(ev.output.substr(ev.output.find('{')))["valid_metric"]["value"].get<double>(),
+              nlohmann::json::parse(test::read_text(dir.file("run/report.json")))["fit"]["valid_rmse"].get<double>(),
+              1e-9);
   write_text(dir.file("rows.csv"), "y,b,a\n0,0.5,0.25\n");  // any column order, the label ignored
   const test::CliResult r = test::run_cli("predict " + dir.file("run") + " 0.25,0.5 " + dir.file("rows.csv") + " --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -6,6 +6,8 @@
 #include <map>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "frugal/base/error.h"
 #include "frugal/data/data.h"
 
@@ -185,6 +187,42 @@ torch::Tensor class_labels(const CsvTable& t, const std::vector<std::string>& cl
 
 }  // namespace
 
+namespace {
+
+/// `t` (read from `path`) as a dataset standardized and labelled with the training split's `ref`.
+Dataset csv_dataset(const CsvTable& t, const CsvSpec& spec, const CsvStats& ref, const std::string& path) {
+  const int64_t n = t.rows(), f = t.width();
+  Dataset d;
+  d.features = torch::empty({n, f}, torch::kFloat);
+  auto* x = d.features.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < f; ++c)
+      x[r * f + c] = static_cast<float>((t.features[r * f + c] - ref.mean[c]) / ref.sd[c]);
+  if (spec.regression) {
+    d.labels = torch::empty({n}, torch::kFloat);
+    auto* y = d.labels.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) y[r] = static_cast<float>(std::strtod(t.labels[r].c_str(), nullptr));
+    d.num_classes = 1;
+  } else {
+    d.classes = ref.classes;
+    d.labels = class_labels(t, d.classes, path);
+    d.num_classes = static_cast<int64_t>(d.classes.size());
+  }
+  d.feature_names = ref.names;
+  d.feature_mean = ref.mean;
+  d.feature_std = ref.sd;
+  d.name = "csv";
+  return d;
+}
+
+std::vector<std::string> feature_names(const CsvTable& t) {
+  std::vector<std::string> names = t.header;
+  names.erase(names.begin() + static_cast<std::ptrdiff_t>(t.label));
+  return names;
+}
+
+}  // namespace
+
 Dataset load_csv(const std::string& path, const CsvSpec& spec, const std::string& train_path) {
   const CsvTable t = read_table(path, spec);
   const CsvTable train = train_path == path ? CsvTable{} : read_table(train_path, spec);
@@ -192,31 +230,20 @@ Dataset load_csv(const std::string& path, const CsvSpec& spec, const std::string
   if (ref.header != t.header)
     throw_data_error("'" + path + "':1: its header differs from the training file '" + train_path +
                      "''s; both need the same columns in the same order");
-  std::vector<double> mean, sd;
-  column_stats(ref, mean, sd);
-  const int64_t n = t.rows(), f = t.width();
-  Dataset d;
-  d.features = torch::empty({n, f}, torch::kFloat);
-  auto* x = d.features.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t c = 0; c < f; ++c)
-      x[r * f + c] = static_cast<float>((t.features[r * f + c] - mean[c]) / sd[c]);
-  if (spec.regression) {
-    d.labels = torch::empty({n}, torch::kFloat);
-    auto* y = d.labels.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) y[r] = static_cast<float>(std::strtod(t.labels[r].c_str(), nullptr));
-    d.num_classes = 1;
-  } else {
-    d.classes = class_names(ref);
-    d.labels = class_labels(t, d.classes, path);
-    d.num_classes = static_cast<int64_t>(d.classes.size());
-  }
-  d.feature_names = ref.header;
-  d.feature_names.erase(d.feature_names.begin() + static_cast<std::ptrdiff_t>(ref.label));
-  d.feature_mean = mean;
-  d.feature_std = sd;
-  d.name = "csv";
-  return d;
+  CsvStats stats;
+  stats.names = feature_names(ref);
+  column_stats(ref, stats.mean, stats.sd);
+  if (!spec.regression) stats.classes = class_names(ref);
+  return csv_dataset(t, spec, stats, path);
+}
+
+Dataset load_csv(const std::string& path, const CsvSpec& spec, const CsvStats& train) {
+  const CsvTable t = read_table(path, spec);
+  if (feature_names(t) != train.names || train.mean.size() != train.names.size() ||
+      train.sd.size() != train.names.size())
+    throw_data_error("'" + path + "':1: its feature columns differ from the training file's (" +
+                     nlohmann::json(train.names).dump() + "); both need the same columns in the same order");
+  return csv_dataset(t, spec, train, path);
 }
 
 CsvShape csv_shape(const std::string& path, const CsvSpec& spec) {

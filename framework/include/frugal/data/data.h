@@ -141,6 +141,16 @@ struct CsvSpec {
 /// number and name) for a row with the wrong field count, a field that is not a finite number,
 /// a validation label not in the training classes, a missing label column or an empty file.
 Dataset load_csv(const std::string& path, const CsvSpec& spec, const std::string& train_path);
+/// What a CSV's training split gave: its feature columns, their means and standard deviations,
+/// its classes (a run folder's data.json keeps them).
+struct CsvStats {
+  std::vector<std::string> names;
+  std::vector<double> mean, sd;
+  std::vector<std::string> classes;  ///< empty for a regression
+};
+/// The same, standardized and labelled with `train` instead of reading the training file (a
+/// run folder scored after its training data moved).
+Dataset load_csv(const std::string& path, const CsvSpec& spec, const CsvStats& train);
 /// What load_csv would hold for `path`, read without building tensors: rows, feature columns
 /// and (classification) distinct labels. Same errors as load_csv.
 struct CsvShape {
