@@ -1,6 +1,7 @@
 #pragma once
-// `frugal generate` and `frugal evaluate`: a trained run's model, loaded from its folder
-// (config.toml and model.pt, no optimizer state), sampled or scored. CLI-internal.
+// `frugal generate`, `frugal evaluate` and `frugal predict`: a trained run's model, loaded from
+// its folder (config.toml, model.pt, data.json; no optimizer state), sampled, scored or asked.
+// CLI-internal.
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -94,18 +94,6 @@ int64_t csv_bytes(const DataOptions& d, const std::string& source) {
   }
 }
 
-// The config the model is built for: Fashion-MNIST's images are 1x28x28 in 10 classes, whatever
-// the keys for synthetic data say.
-Config model_config(const Config& c) {
-  Config m = c;
-  if (c.data.dataset == "fashion-mnist") {
-    m.data.channels = 1;
-    m.data.image_size = 28;
-    m.data.classes = 10;
-  }
-  return m;
-}
-
 }  // namespace
 
 int64_t estimated_data_bytes(const Config& c) {
@@ -190,7 +178,7 @@ HeldBytes held_bytes(const Config& c, torch::nn::Module& model) {
 
 HeldBytes estimate_held_bytes(const Config& c) {
   torch::NoGradGuard no_grad;
-  torch::nn::Sequential model = make_config_model(model_config(c));
+  torch::nn::Sequential model = make_config_model(c);
   return held_bytes(c, *model);
 }
 
@@ -249,7 +237,7 @@ void preflight(const Config& c, const std::vector<std::string>& plugins_on) {
   if (c.data.dataset != "fashion-mnist" && c.data.dataset != "synthetic" && c.data.dataset != "text")
     return;  // a plugin's dataset: the model's shapes come from the data, known only once loaded
   torch::NoGradGuard no_grad;
-  torch::nn::Sequential model = make_config_model(model_config(c));
+  torch::nn::Sequential model = make_config_model(c);
   try {
     check_freeze_prefixes(*model, c.stages);
   } catch (const ConfigError& e) {
