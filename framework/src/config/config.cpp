@@ -88,6 +88,11 @@ void apply_override(toml::table& root, const std::string& assignment) {
   }
   if (key.empty() || contains(segments, ""))
     throw_config_error(std::string(kSetPrefix) + " '" + assignment + "': expected KEY=VALUE");
+  // A quote in a key was written back unquoted by the resolved-config writer (a fuzzer's
+  // triple-quoted key), and the run's config.toml could not be read again.
+  if (key.find_first_of("'\"") != std::string::npos)
+    throw_config_error(std::string(kSetPrefix) + " '" + assignment + "': a key holds no quote; "
+                       "--set takes dotted keys (data.batch_size, stages.0.epochs)");
   const std::string origin = std::string(kSetPrefix) + " " + assignment;
   if (!valid_utf8(assignment))
     throw_config_error(origin + ": not UTF-8 text (TOML keys and strings are Unicode)");
