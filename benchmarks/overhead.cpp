@@ -156,6 +156,7 @@ nlohmann::json measure(const std::string& config, const std::vector<std::string>
 }  // namespace
 
 int main(int argc, char** argv) {
+  frugal::select_blas_core();  // both loops run on the same kernels: the CPU's best
   frugal::MemoryMeter::install();
   CLI::App app{"frugal_bench_overhead: the Learner against a hand-written LibTorch loop"};
   std::string config, out = "runs/bench-overhead.json";

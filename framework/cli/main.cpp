@@ -272,6 +272,8 @@ int dispatch(const Args& a, const std::shared_ptr<spdlog::logger>& log, const ch
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before any matrix product or thread: OpenBLAS's kernels for a CPU it does not know.
+  const auto blas = frugal::select_blas_core();
   // Count every tensor the run makes.
   frugal::MemoryMeter::install();
   // A write past the file size limit (RLIMIT_FSIZE) fails with EFBIG, reported with the file
@@ -282,5 +284,7 @@ int main(int argc, char** argv) {
   add_commands(app, args);
   CLI11_PARSE(app, argc, argv);
   args.train.argv.assign(argv, argv + argc);  // what the ranks of `train --nproc N` run
-  return dispatch(args, make_log(args.level), argv[0]);
+  auto log = make_log(args.level);
+  if (blas && !blas->reason.empty()) log->debug("BLAS: {}", blas->reason);
+  return dispatch(args, log, argv[0]);
 }

@@ -6,6 +6,7 @@
 #include "frugal/app/preflight.h"
 #include "frugal/app/report.h"
 #include "frugal/app/run.h"
+#include "frugal/base/blas.h"
 #include "frugal/base/compat.h"
 #include "frugal/base/error.h"
 #include "frugal/base/options.h"

@@ -17,6 +17,7 @@
 #include "frugal/base/compat.h"
 #include "frugal/base/error.h"
 #include "frugal/base/version.h"
+#include "frugal/base/blas.h"
 #include "frugal/callbacks/threads.h"
 #include "frugal/config/config.h"
 #include "frugal/core/learner.h"
@@ -46,6 +47,9 @@ nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::js
   if (auto t = last_thread_choice())
     r["threads_auto"] = {{"chosen", t->chosen}, {"many", t->many}, {"one_thread_ms", t->one_ms},
                          {"many_threads_ms", t->many_ms}, {"steps_per_candidate", t->samples}};
+  if (auto b = blas_info())
+    r["blas"] = {{"library", b->library}, {"core", b->core}, {"detected", b->detected},
+                 {"reason", b->reason}};
   const AllocatorStats a = MemoryMeter::get().allocator_stats();
   r["reserved_bytes"] = a.reserved;
   r["reserved_peak_bytes"] = a.reserved_peak;
@@ -141,6 +145,12 @@ std::string report_markdown(const nlohmann::json& r) {
   md << "# frugal run report\n\n";
   md << "config `" << r.value("config_file", "") << "`, LibTorch " << r.value("libtorch_version", "")
      << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads";
+  if (r.contains("blas")) {
+    const auto& b = r["blas"];
+    md << ", " << b.value("library", "") << " " << b.value("core", "");
+    if (b.value("core", "") != b.value("detected", ""))
+      md << " (chosen by frugal; it detected " << b.value("detected", "") << ")";
+  }
   if (r.contains("threads_auto")) {
     const auto& t = r["threads_auto"];
     md << " (run.threads = auto: a step took " << num(t.value("one_thread_ms", 0.0), 2)

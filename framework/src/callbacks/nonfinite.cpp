@@ -6,24 +6,19 @@
 
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
+#include "frugal/optim/fused.h"
 
 namespace frugal {
 
 std::optional<std::string> first_nonfinite_gradient(const torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
   const auto params = m.named_parameters();
-  // Each gradient's minimum and maximum (NaN propagates into both, an inf shows in one): one
-  // pass, two scalars, no copy. A sum in double would copy each gradient to double on CPU (the
-  // reduction casts its input first): twice the largest gradient's bytes at the step's peak.
-  std::vector<torch::Tensor> extremes;
-  for (const auto& p : params) {
-    const torch::Tensor& g = p.value().grad();
-    if (!g.defined() || g.numel() == 0) continue;
-    auto mm = torch::aminmax(g);
-    extremes.push_back(std::get<0>(mm).to(torch::kFloat).reshape({1}));
-    extremes.push_back(std::get<1>(mm).to(torch::kFloat).reshape({1}));
-  }
-  if (extremes.empty() || torch::isfinite(torch::cat(extremes)).all().item<bool>()) return std::nullopt;
+  // One pass over the gradients' bits (fused.h: no operation dispatched, nothing allocated, the
+  // intra-op threads sharing it): the optimizer's step reads them next, from the cache.
+  std::vector<torch::Tensor> grads;
+  grads.reserve(params.size());
+  for (const auto& p : params) grads.push_back(p.value().grad());
+  if (all_finite(grads)) return std::nullopt;
   for (const auto& p : params) {  // rare: find which one
     const torch::Tensor& g = p.value().grad();
     if (g.defined() && !torch::isfinite(g).all().item<bool>()) return p.key();

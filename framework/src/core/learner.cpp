@@ -194,8 +194,8 @@ int64_t Learner::data_bytes() const {
 }
 
 double Learner::epoch_loss() const {
-  if (loss_count_ == 0 || !loss_sum_.defined()) return 0;
-  return loss_sum_.item<double>() / static_cast<double>(loss_count_);
+  if (loss_count_ == 0) return 0;
+  return static_cast<double>(loss_sum_) / static_cast<double>(loss_count_);
 }
 
 nlohmann::json Learner::report() const {
@@ -297,7 +297,7 @@ int64_t Learner::purge(bool clear_opt) {
   live();
   const int64_t before = memory().current();
   reset_batch_state();
-  loss_sum_ = torch::Tensor();
+  loss_sum_ = 0;
   loss_count_ = 0;
   zero_grad();
   if (clear_opt) optimizer_->state().clear();
@@ -311,7 +311,7 @@ void Learner::destroy() {
   callbacks_.clear();
   forward_wrappers_.clear();
   reset_batch_state();
-  loss_sum_ = torch::Tensor();
+  loss_sum_ = 0;
   optimizer_.reset();
   model_ = torch::nn::Sequential(nullptr);
   train_.clear();

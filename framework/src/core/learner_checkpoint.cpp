@@ -151,7 +151,7 @@ void Learner::write_checkpoint_file(const std::string& path, const archive::Resu
     call_guarded(*c, "save_state", [&] { c->save_state(state); });
     archive::write_callback_state(a, c->name(), state);
   }
-  if (training_ && loss_sum_.defined()) archive::write_loss_sum(a, loss_sum_);
+  if (training_) archive::write_loss_sum(a, torch::tensor(loss_sum_));
   archive::write_rng(a, rng);
   for (size_t k = 1; k < rank_rngs.size(); ++k)
     archive::write_rank_rng(a, static_cast<int>(k), rank_rngs[k]);
@@ -348,9 +348,7 @@ void Learner::load_callback_states(PendingResume& r) {
 void Learner::restore_loop_state(PendingResume& r) {
   const FitPosition& p = r.record.position;
   torch::Tensor sum;
-  loss_sum_ = archive::read_loss_sum(r.archive, sum, r.path) && training_
-                  ? sum.to(device_)
-                  : torch::zeros({}, torch::TensorOptions().device(device_));
+  loss_sum_ = archive::read_loss_sum(r.archive, sum, r.path) && training_ ? sum.item<float>() : 0;
   loss_count_ = training_ ? r.record.loss_count : 0;
   stop_epoch_ = p.stop_epoch;
   capped_ = !p.stop_fit && !p.done && max_steps_ > 0 && iteration_ >= max_steps_;

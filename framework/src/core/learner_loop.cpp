@@ -177,7 +177,7 @@ void Learner::start_epoch() {
   train_.set_epoch(global_epoch_++);
   model_->train();
   training_ = true;
-  loss_sum_ = torch::zeros({}, torch::TensorOptions().device(device_));
+  loss_sum_ = 0;
   loss_count_ = 0;
   stop_epoch_ = false;
   num_batches_ = train_.num_batches();
@@ -231,7 +231,7 @@ void Learner::train_batch(const Batch& b) {
   if (!skip_batch_) run_micro_batches();
   if (!skip_batch_) run_step();
   if (loss_.defined()) {
-    loss_sum_ += loss_.detach().to(torch::kFloat);
+    loss_sum_ += loss_.item<float>();
     ++loss_count_;
   }
   advance_cursor();

@@ -15,6 +15,7 @@
 #include "frugal/config/own_keys.h"
 #include "frugal/optim/adafactor.h"
 #include "frugal/optim/adam8bit.h"
+#include "frugal/optim/fused.h"
 
 namespace frugal {
 namespace {
@@ -38,10 +39,25 @@ struct AdamKeys : Options {
   }
 };
 
+constexpr const char* kFusedHelp =
+    "one vectorized pass over each parameter on the CPU (fused.h; the same arithmetic as "
+    "LibTorch's); false = LibTorch's tensor operations. No effect off the CPU";
+
+/// adam's and adamw's keys: Adam's and the fused pass.
+struct FusedAdamKeys : AdamKeys {
+  bool fused = true;
+  void visit(FieldVisitor& v) override {
+    AdamKeys::visit(v);
+    v.field("fused", fused, kFusedHelp);
+  }
+};
+
 struct SgdKeys : Options {
   double momentum = 0.0;
+  bool fused = true;
   void visit(FieldVisitor& v) override {
     v.field("momentum", momentum, "momentum; 0 = none (no state)", at_least(0));
+    v.field("fused", fused, kFusedHelp);
   }
 };
 
@@ -97,16 +113,29 @@ int64_t decay_copies(const OptimizerOptions& o) { return o.weight_decay > 0 ? 1 
 // temporaries of the step for the largest parameter (Adam's sqrt and division, a
 // weight-decayed copy of the gradient).
 
+// The fused class or LibTorch's, over the same options.
+template <class Fused, class Plain, class O>
+std::unique_ptr<optim::Optimizer> fused_or_plain(bool fused, std::vector<torch::Tensor> params,
+                                                 const O& options) {
+  if (fused) return std::make_unique<Fused>(std::move(params), options);
+  return std::make_unique<Plain>(std::move(params), options);
+}
+
+// The fused pass on the CPU makes no temporaries (fused.h).
+int64_t step_temporaries(bool fused, const TrainableBytes& p, int64_t libtorch) {
+  return fused && p.cpu ? 0 : libtorch;
+}
+
 OptimizerFactory adam() {
   OptimizerFactory f;
-  f.make_options = keys_of<AdamKeys>();
+  f.make_options = keys_of<FusedAdamKeys>();
   f.build = [](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
-    const auto k = o.own_as<AdamKeys>();
-    return std::make_unique<optim::Adam>(
-        std::move(params), optim::AdamOptions(o.lr)
-                               .betas(std::make_tuple(k.beta1, k.beta2))
-                               .eps(k.eps)
-                               .weight_decay(o.weight_decay));
+    const auto k = o.own_as<FusedAdamKeys>();
+    return fused_or_plain<FusedAdam, optim::Adam>(k.fused, std::move(params),
+                                                  optim::AdamOptions(o.lr)
+                                                      .betas(std::make_tuple(k.beta1, k.beta2))
+                                                      .eps(k.eps)
+                                                      .weight_decay(o.weight_decay));
   };
   f.state_bytes = state_bytes_of<optim::Adam, optim::AdamParamState>(
       [](const optim::AdamParamState& s) {
@@ -114,29 +143,31 @@ OptimizerFactory adam() {
                tensor_bytes(s.max_exp_avg_sq());
       });
   f.step_needs = [](const OptimizerOptions& o, const TrainableBytes& p) {
-    return StepNeeds{2 * p.total, (2 + decay_copies(o)) * p.largest};
+    const bool fused = o.own_as<FusedAdamKeys>().fused;
+    return StepNeeds{2 * p.total, step_temporaries(fused, p, (2 + decay_copies(o)) * p.largest)};
   };
   return f;
 }
 
 OptimizerFactory adamw() {
   OptimizerFactory f;
-  f.make_options = keys_of<AdamKeys>();
+  f.make_options = keys_of<FusedAdamKeys>();
   f.build = [](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
-    const auto k = o.own_as<AdamKeys>();
-    return std::make_unique<optim::AdamW>(
-        std::move(params), optim::AdamWOptions(o.lr)
-                               .betas(std::make_tuple(k.beta1, k.beta2))
-                               .eps(k.eps)
-                               .weight_decay(o.weight_decay));
+    const auto k = o.own_as<FusedAdamKeys>();
+    return fused_or_plain<FusedAdamW, optim::AdamW>(k.fused, std::move(params),
+                                                    optim::AdamWOptions(o.lr)
+                                                        .betas(std::make_tuple(k.beta1, k.beta2))
+                                                        .eps(k.eps)
+                                                        .weight_decay(o.weight_decay));
   };
   f.state_bytes = state_bytes_of<optim::AdamW, optim::AdamWParamState>(
       [](const optim::AdamWParamState& s) {
         return tensor_bytes(s.exp_avg()) + tensor_bytes(s.exp_avg_sq()) +
                tensor_bytes(s.max_exp_avg_sq());
       });
-  f.step_needs = [](const OptimizerOptions&, const TrainableBytes& p) {
-    return StepNeeds{2 * p.total, 2 * p.largest};  // decoupled decay: no gradient copy
+  f.step_needs = [](const OptimizerOptions& o, const TrainableBytes& p) {
+    const bool fused = o.own_as<FusedAdamKeys>().fused;  // decoupled decay: no gradient copy
+    return StepNeeds{2 * p.total, step_temporaries(fused, p, 2 * p.largest)};
   };
   return f;
 }
@@ -146,15 +177,16 @@ OptimizerFactory sgd() {
   f.make_options = keys_of<SgdKeys>();
   f.build = [](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
     const auto k = o.own_as<SgdKeys>();
-    return std::make_unique<optim::SGD>(
-        std::move(params),
+    return fused_or_plain<FusedSGD, optim::SGD>(
+        k.fused, std::move(params),
         optim::SGDOptions(o.lr).momentum(k.momentum).weight_decay(o.weight_decay));
   };
   f.state_bytes = state_bytes_of<optim::SGD, optim::SGDParamState>(
       [](const optim::SGDParamState& s) { return tensor_bytes(s.momentum_buffer()); });
   f.step_needs = [](const OptimizerOptions& o, const TrainableBytes& p) {
-    const bool momentum = o.own_as<SgdKeys>().momentum > 0;
-    return StepNeeds{momentum ? p.total : 0, decay_copies(o) * p.largest};
+    const auto k = o.own_as<SgdKeys>();
+    return StepNeeds{k.momentum > 0 ? p.total : 0,
+                     step_temporaries(k.fused, p, decay_copies(o) * p.largest)};
   };
   return f;
 }
@@ -429,6 +461,7 @@ void TrainableBytes::add(const torch::Tensor& p) {
   total += bytes;
   largest = std::max(largest, bytes);
   shapes.push_back(p.sizes().vec());
+  cpu = cpu && p.device().is_cpu();
 }
 
 TrainableBytes trainable_bytes(const torch::nn::Module& m) {

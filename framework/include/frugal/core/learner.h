@@ -342,7 +342,7 @@ class Learner {
 
   std::vector<Stage> stages_;
   torch::Tensor x_, y_, pred_, loss_;
-  torch::Tensor loss_sum_;  // on the device: synced once per epoch or log interval
+  float loss_sum_ = 0;  // on the host, in float32 as the loss (one read per step, no op)
   int64_t loss_count_ = 0;
   double loss_scale_ = 1.0;
   int64_t micro_index_ = 0, micro_count_ = 1;

@@ -56,6 +56,8 @@ struct TrainableBytes {
   /// Each one's shape, for an optimizer whose state depends on it (adafactor's factored
   /// moments, adam8bit's small tensors); empty when only the totals are known.
   std::vector<std::vector<int64_t>> shapes;
+  /// Every one is on the CPU (where a fused optimizer's step makes no temporaries).
+  bool cpu = true;
   /// Adds a parameter: its bytes to the totals, its shape to shapes.
   void add(const torch::Tensor& p);
 };

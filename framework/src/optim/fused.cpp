@@ -1,0 +1,373 @@
+// Fused CPU optimizers (fused.h): Adam, AdamW and SGD as one pass per parameter, and the
+// non-finite scan. Compiled with -O3 -fno-math-errno -ffp-contract=off (CMakeLists): the loops
+// vectorize (sqrt included), and the only fused multiply-adds are the ones written below, where
+// LibTorch's kernels have them.
+#include "frugal/optim/fused.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "frugal/base/compat.h"
+
+namespace frugal {
+namespace {
+
+constexpr int64_t kChunk = int64_t{1} << 14;        // elements per task (64 KiB of float32)
+constexpr int64_t kSerialBelow = int64_t{1} << 16;  // fewer elements in all: one thread
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FRUGAL_FMA_TARGET __attribute__((target("avx2,fma")))
+#define FRUGAL_ALWAYS_INLINE inline __attribute__((always_inline))
+bool cpu_has_fma() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+#else
+#define FRUGAL_FMA_TARGET
+#define FRUGAL_ALWAYS_INLINE inline
+bool cpu_has_fma() { return false; }
+#endif
+
+// a * b + c: rounded once where LibTorch's vectorized kernel uses fmadd (kFma: a CPU with FMA,
+// where LibTorch runs its AVX2/AVX-512 kernels), twice otherwise (its default kernels).
+template <bool kFma>
+FRUGAL_ALWAYS_INLINE float madd(float a, float b, float c) {
+  if constexpr (kFma)
+    return __builtin_fmaf(a, b, c);
+  else
+    return a * b + c;
+}
+
+// ---- Adam and AdamW -------------------------------------------------------------------------
+// LibTorch 1.13 (torch/csrc/api/src/optim/adam.cpp, adamw.cpp), per element:
+//   AdamW: p.mul_(1 - lr * wd)                         p = p * decay
+//   Adam:  grad = grad.add(p, wd)                      g = fma(p, wd, g)
+//   exp_avg.mul_(beta1).add_(grad, 1 - beta1)          m = fma(g, 1 - b1, m * b1)
+//   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-b2)  v = fma((1 - b2) * g, g, v * b2)
+//   denom = (exp_avg_sq.sqrt() / sqrt(bc2)).add_(eps)  d = sqrt(v) / sqrt(bc2) + eps
+//   p.addcdiv_(exp_avg, denom, -lr / bc1)              p = p + (-lr / bc1 * m) / d
+// Scalars are cast to float as the kernels cast them.
+struct AdamArgs {
+  float b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step, l2, decay;
+};
+
+template <bool kFma, bool kL2, bool kDecay>
+FRUGAL_ALWAYS_INLINE void adam_span(float* __restrict p, const float* __restrict g,
+                                    float* __restrict m, float* __restrict v, int64_t n,
+                                    const AdamArgs& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i];
+    if constexpr (kDecay) pi = pi * a.decay;
+    float gi = g[i];
+    if constexpr (kL2) gi = madd<kFma>(pi, a.l2, gi);
+    const float mi = madd<kFma>(gi, a.omb1, m[i] * a.b1);
+    const float vi = madd<kFma>(a.omb2 * gi, gi, v[i] * a.b2);
+    const float d = std::sqrt(vi) / a.bc2_sqrt + a.eps;
+    p[i] = pi + (a.neg_step * mi) / d;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+template <bool kFma>
+FRUGAL_ALWAYS_INLINE void adam_any(float* p, const float* g, float* m, float* v, int64_t n,
+                                   const AdamArgs& a, bool l2, bool decay) {
+  if (l2)
+    adam_span<kFma, true, false>(p, g, m, v, n, a);
+  else if (decay)
+    adam_span<kFma, false, true>(p, g, m, v, n, a);
+  else
+    adam_span<kFma, false, false>(p, g, m, v, n, a);
+}
+
+FRUGAL_FMA_TARGET void adam_fma(float* p, const float* g, float* m, float* v, int64_t n,
+                                const AdamArgs& a, bool l2, bool decay) {
+  adam_any<true>(p, g, m, v, n, a, l2, decay);
+}
+void adam_plain(float* p, const float* g, float* m, float* v, int64_t n, const AdamArgs& a,
+                bool l2, bool decay) {
+  adam_any<false>(p, g, m, v, n, a, l2, decay);
+}
+
+// ---- SGD ------------------------------------------------------------------------------------
+// LibTorch 1.13 (sgd.cpp), per element:
+//   d_p = d_p.add(p, wd)                               d = fma(p, wd, g)
+//   first step: buf = clone(d_p); later:
+//   buf.mul_(momentum).add_(d_p, 1 - dampening)        b = fma(d, 1 - damp, b * mom)
+//   nesterov: d_p = d_p.add(buf, momentum), else buf   d = fma(b, mom, d) | b
+//   p.add_(d_p, -lr)                                   p = fma(d, -lr, p)
+struct SgdArgs {
+  float l2, mom, omd, neg_lr;
+  bool has_l2, first, nesterov;
+};
+
+template <bool kFma, bool kL2, bool kMomentum>
+FRUGAL_ALWAYS_INLINE void sgd_span(float* __restrict p, const float* __restrict g,
+                                   float* __restrict buf, int64_t n, const SgdArgs& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    float d = g[i];
+    if constexpr (kL2) d = madd<kFma>(p[i], a.l2, d);
+    if constexpr (kMomentum) {
+      const float b = a.first ? d : madd<kFma>(d, a.omd, buf[i] * a.mom);
+      buf[i] = b;
+      d = a.nesterov ? madd<kFma>(b, a.mom, d) : b;
+    }
+    p[i] = madd<kFma>(d, a.neg_lr, p[i]);
+  }
+}
+
+template <bool kFma>
+FRUGAL_ALWAYS_INLINE void sgd_any(float* p, const float* g, float* buf, int64_t n,
+                                  const SgdArgs& a) {
+  if (buf)
+    a.has_l2 ? sgd_span<kFma, true, true>(p, g, buf, n, a) : sgd_span<kFma, false, true>(p, g, buf, n, a);
+  else
+    a.has_l2 ? sgd_span<kFma, true, false>(p, g, buf, n, a) : sgd_span<kFma, false, false>(p, g, buf, n, a);
+}
+
+FRUGAL_FMA_TARGET void sgd_fma(float* p, const float* g, float* buf, int64_t n, const SgdArgs& a) {
+  sgd_any<true>(p, g, buf, n, a);
+}
+void sgd_plain(float* p, const float* g, float* buf, int64_t n, const SgdArgs& a) {
+  sgd_any<false>(p, g, buf, n, a);
+}
+
+// ---- the non-finite scan --------------------------------------------------------------------
+// A float is inf or NaN when its exponent bits are all ones: the largest exponent field seen
+// (an integer maximum, which vectorizes) tells.
+constexpr uint32_t kExponent = 0x7f800000u;
+
+template <int>
+FRUGAL_ALWAYS_INLINE uint32_t max_exponent(const float* __restrict x, int64_t n) {
+  uint32_t mx = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    const uint32_t e = bits & kExponent;
+    mx = e > mx ? e : mx;
+  }
+  return mx;
+}
+FRUGAL_FMA_TARGET uint32_t max_exponent_avx2(const float* x, int64_t n) { return max_exponent<1>(x, n); }
+uint32_t max_exponent_plain(const float* x, int64_t n) { return max_exponent<0>(x, n); }
+
+// ---- chunks over threads --------------------------------------------------------------------
+
+// Calls f(k, begin, end) over the elements of every span k (sizes[k] elements), in chunks
+// spread over the intra-op threads; on the calling thread alone when there is little work.
+void for_each_chunk(const std::vector<int64_t>& sizes,
+                    const std::function<void(size_t, int64_t, int64_t)>& f) {
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  if (total < kSerialBelow || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    for (size_t k = 0; k < sizes.size(); ++k) f(k, 0, sizes[k]);
+    return;
+  }
+  std::vector<std::tuple<size_t, int64_t, int64_t>> tasks;
+  for (size_t k = 0; k < sizes.size(); ++k)
+    for (int64_t b = 0; b < sizes[k]; b += kChunk)
+      tasks.emplace_back(k, b, std::min(sizes[k], b + kChunk));
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const auto& [k, b, e] = tasks[static_cast<size_t>(t)];
+      f(k, b, e);
+    }
+  });
+}
+
+bool fusable(const torch::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.scalar_type() == torch::kFloat &&
+         t.layout() == torch::kStrided && t.is_contiguous();
+}
+
+// Whether every parameter with a gradient can take the fused pass.
+template <class GroupOptions>
+bool all_fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                 bool (*group_ok)(const GroupOptions&)) {
+  for (const auto& group : groups) {
+    if (!group_ok(static_cast<const GroupOptions&>(group.options()))) return false;
+    for (const auto& p : group.params()) {
+      const auto& g = p.grad();
+      if (!g.defined()) continue;
+      if (!fusable(p) || !fusable(g) || g.sizes() != p.sizes()) return false;
+    }
+  }
+  return true;
+}
+
+torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+// One parameter's part of a fused Adam step: its pointers and coefficients.
+struct AdamWork {
+  float *p, *m, *v;
+  const float* g;
+  int64_t n;
+  AdamArgs args;
+  bool l2, decay;
+};
+
+template <class State, class GroupOptions>
+std::vector<AdamWork> adam_work(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                decltype(std::declval<torch::optim::Optimizer&>().state())& state,
+                                bool decoupled) {
+  std::vector<AdamWork> work;
+  for (auto& group : groups) {
+    const auto& o = static_cast<const GroupOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto& slot = state[compat::optimizer_state_key(p)];
+      if (!slot) {
+        auto s = std::make_unique<State>();
+        s->step(0);
+        s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        slot = std::move(s);
+      }
+      auto& s = static_cast<State&>(*slot);
+      s.step(s.step() + 1);
+      const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+      const double bc1 = 1 - std::pow(beta1, static_cast<double>(s.step()));
+      const double bc2 = 1 - std::pow(beta2, static_cast<double>(s.step()));
+      AdamWork w{p.data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
+                 s.exp_avg_sq().template data_ptr<float>(), p.grad().data_ptr<float>(), p.numel(), {},
+                 !decoupled && o.weight_decay() != 0, decoupled && o.weight_decay() != 0};
+      w.args = {static_cast<float>(beta1), static_cast<float>(1 - beta1),
+                static_cast<float>(beta2), static_cast<float>(1 - beta2),
+                static_cast<float>(std::sqrt(bc2)), static_cast<float>(o.eps()),
+                static_cast<float>(-(o.lr() / bc1)), static_cast<float>(o.weight_decay()),
+                static_cast<float>(1 - o.lr() * o.weight_decay())};
+      work.push_back(w);
+    }
+  }
+  return work;
+}
+
+void run_adam(const std::vector<AdamWork>& work) {
+  std::vector<int64_t> sizes;
+  for (const auto& w : work) sizes.push_back(w.n);
+  const auto kernel = cpu_has_fma() ? adam_fma : adam_plain;
+  for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
+    const AdamWork& w = work[k];
+    kernel(w.p + b, w.g + b, w.m + b, w.v + b, e - b, w.args, w.l2, w.decay);
+  });
+}
+
+template <class Options>
+bool no_amsgrad(const Options& o) {
+  return !o.amsgrad();
+}
+
+bool sgd_ok(const torch::optim::SGDOptions& o) {
+  return !(o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0));  // LibTorch refuses it
+}
+
+}  // namespace
+
+torch::Tensor FusedAdam::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  if (!all_fusable<torch::optim::AdamOptions>(param_groups_, no_amsgrad)) {
+    torch::optim::Adam::step(nullptr);  // LibTorch's way
+    return loss;
+  }
+  run_adam(adam_work<torch::optim::AdamParamState, torch::optim::AdamOptions>(param_groups_,
+                                                                              state_, false));
+  return loss;
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  if (!all_fusable<torch::optim::AdamWOptions>(param_groups_, no_amsgrad)) {
+    torch::optim::AdamW::step(nullptr);  // LibTorch's way
+    return loss;
+  }
+  run_adam(adam_work<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(param_groups_,
+                                                                                state_, true));
+  return loss;
+}
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  if (!all_fusable<torch::optim::SGDOptions>(param_groups_, sgd_ok)) {
+    torch::optim::SGD::step(nullptr);  // LibTorch's way
+    return loss;
+  }
+  struct Work {
+    float *p, *buf;
+    const float* g;
+    int64_t n;
+    SgdArgs args;
+  };
+  std::vector<Work> work;
+  std::vector<int64_t> sizes;
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      SgdArgs a{static_cast<float>(o.weight_decay()), static_cast<float>(o.momentum()),
+                static_cast<float>(1 - o.dampening()), static_cast<float>(-1 * o.lr()),
+                o.weight_decay() != 0, false, o.nesterov()};
+      float* buf = nullptr;
+      if (o.momentum() != 0) {
+        auto& slot = state_[compat::optimizer_state_key(p)];
+        if (!slot) {  // LibTorch: buf = clone(d_p), which the pass writes
+          auto s = std::make_unique<torch::optim::SGDParamState>();
+          s->momentum_buffer(torch::empty_like(p, torch::MemoryFormat::Preserve));
+          slot = std::move(s);
+          a.first = true;
+        }
+        buf = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer().data_ptr<float>();
+      }
+      work.push_back({p.data_ptr<float>(), buf, p.grad().data_ptr<float>(), p.numel(), a});
+      sizes.push_back(p.numel());
+    }
+  }
+  const auto kernel = cpu_has_fma() ? sgd_fma : sgd_plain;
+  for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
+    const Work& w = work[k];
+    kernel(w.p + b, w.g + b, w.buf ? w.buf + b : nullptr, e - b, w.args);
+  });
+  return loss;
+}
+
+bool all_finite(const std::vector<torch::Tensor>& tensors) {
+  std::vector<const float*> data;
+  std::vector<int64_t> sizes;
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.numel() == 0) continue;
+    if (fusable(t)) {
+      data.push_back(t.data_ptr<float>());
+      sizes.push_back(t.numel());
+    } else if (!torch::isfinite(t).all().item<bool>()) {
+      return false;
+    }
+  }
+  std::atomic<uint32_t> largest{0};
+  const auto scan = cpu_has_fma() ? max_exponent_avx2 : max_exponent_plain;
+  for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
+    const uint32_t mx = scan(data[k] + b, e - b);
+    uint32_t seen = largest.load(std::memory_order_relaxed);
+    while (mx > seen && !largest.compare_exchange_weak(seen, mx, std::memory_order_relaxed)) {
+    }
+  });
+  return largest.load() != kExponent;
+}
+
+}  // namespace frugal
