@@ -45,21 +45,29 @@ TEST(Threads, SetThreadsMovesTheBlasLibraryToo) {
   auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
   if (get == nullptr) GTEST_SKIP() << "LibTorch's BLAS here is not OpenBLAS";
   const int before = at::get_num_threads();
-  set_threads(1);
+  set_threads(1, 2);
   EXPECT_EQ(at::get_num_threads(), 1);
+  EXPECT_EQ(get(), 2);
+  EXPECT_EQ(blas_threads(), 2);
+  set_threads(2, 1);
+  EXPECT_EQ(at::get_num_threads(), 2);
   EXPECT_EQ(get(), 1);
+  // run.threads = N: the BLAS pool stays at 1 beside ATen's N (they spin against each other).
   set_threads(2);
   EXPECT_EQ(at::get_num_threads(), 2);
-  EXPECT_EQ(get(), 2);
+  EXPECT_EQ(get(), 1);
   set_threads(before);
 }
 
-// Records the intra-op threads each training forward ran with.
+// Records the intra-op threads each training forward ran with, and the BLAS library's.
 struct ThreadSpy : Callback {
   std::vector<int> seen;
+  std::vector<int64_t> blas;
   std::string name() const override { return "thread_spy"; }
   void before_forward(Learner& l) override {
-    if (l.training()) seen.push_back(at::get_num_threads());
+    if (!l.training()) return;
+    seen.push_back(at::get_num_threads());
+    blas.push_back(blas_threads());
   }
 };
 
@@ -80,12 +88,36 @@ TEST(ThreadTuner, TimesBothCandidatesOnRealStepsThenTrainsOnTheFaster) {
   ASSERT_TRUE(tuner->decided());
   const ThreadChoice& c = tuner->choice();
   ASSERT_EQ(spy->seen.size(), 10u);
-  EXPECT_EQ(std::vector<int>(spy->seen.begin(), spy->seen.begin() + ThreadTuner::kSteps),
-            (std::vector<int>{2, 1, 2, 1, 2, 1, 2}));
+  // A warm-up on 2 ATen threads, then 1 + 1, 2 + 1 and (with a BLAS pool) 1 + 2, three times.
+  const bool pool = blas_threads() > 0;
+  const size_t steps = pool ? 10 : 7;
+  std::vector<int> aten = {2}, blas = {1};
+  for (int r = 0; r < 3; ++r) {
+    aten.insert(aten.end(), {1, 2});
+    blas.insert(blas.end(), {1, 1});
+    if (pool) {
+      aten.push_back(1);
+      blas.push_back(2);
+    }
+  }
+  EXPECT_EQ(std::vector<int>(spy->seen.begin(), spy->seen.begin() + steps), aten);
+  if (pool) {
+    EXPECT_EQ(std::vector<int64_t>(spy->blas.begin(), spy->blas.begin() + steps),
+              std::vector<int64_t>(blas.begin(), blas.end()));
+  }
   EXPECT_GT(c.one_ms, 0);
   EXPECT_GT(c.many_ms, 0);
-  EXPECT_EQ(c.chosen, c.many_ms < c.one_ms ? 2 : 1);
-  for (size_t i = ThreadTuner::kSteps; i < spy->seen.size(); ++i) EXPECT_EQ(spy->seen[i], c.chosen);
+  EXPECT_EQ(c.blas_ms > 0, pool);
+  // The fastest of the three.
+  const double best = std::min({c.one_ms, c.many_ms, pool ? c.blas_ms : c.one_ms});
+  EXPECT_EQ(c.chosen, best == c.many_ms ? 2 : 1);
+  EXPECT_EQ(c.blas, pool && best == c.blas_ms && best != c.one_ms && best != c.many_ms ? 2 : 1);
+  for (size_t i = steps; i < spy->seen.size(); ++i) {
+    EXPECT_EQ(spy->seen[i], c.chosen);
+    if (pool) {
+      EXPECT_EQ(spy->blas[i], c.blas);
+    }
+  }
   ASSERT_TRUE(last_thread_choice().has_value());
   EXPECT_EQ(last_thread_choice()->chosen, c.chosen);
 }
@@ -105,7 +137,7 @@ struct SaveAtBatch : Callback {
 };
 
 // An "auto" run of two epochs of 10 batches, killed after its 12th with a checkpoint at `path`
-// (the tuner decided at step 7); returns the thread count it chose.
+// (the tuner decided at step 10, or 7 without a BLAS pool); returns the thread count it chose.
 int64_t auto_run_checkpointed_at_batch_12(const std::string& path) {
   auto l = make_tiny_learner(ten_batches());
   auto tuner = std::make_shared<ThreadTuner>(2);
@@ -152,7 +184,7 @@ TEST(ThreadTuner, ACheckpointOfAnAutoRunResumesWithThreadsSetToANumber) {
 TEST(ThreadTuner, AFitTooShortToDecideGoesBackToItsThreads) {
   set_threads(2);
   TinySetup s = ten_batches();
-  s.samples = 32;  // 2 batches: a warm-up and one step on 1 thread; nothing timed on 2
+  s.samples = 32;  // 2 batches: a warm-up and one step on 1 + 1; nothing timed on the others
   auto l = make_tiny_learner(s);
   auto tuner = std::make_shared<ThreadTuner>(2);
   l->add_callback(tuner);

@@ -38,6 +38,7 @@ nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::js
       {"libtorch_version", compat::torch_version()},
       {"device", l.device().str()},
       {"threads", at::get_num_threads()},
+      {"blas_threads", blas_threads()},
       {"config_file", c.source},
       {"config", config},
       {"fit", l.destroyed() ? nlohmann::json() : l.report()},
@@ -45,8 +46,9 @@ nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::js
   // The caching allocator (CPU or CUDA) holds more than the live bytes: that is what the system
   // sees. Peak reserved is since the process started (CPU) or the last reset (CUDA).
   if (auto t = last_thread_choice())
-    r["threads_auto"] = {{"chosen", t->chosen}, {"many", t->many}, {"one_thread_ms", t->one_ms},
-                         {"many_threads_ms", t->many_ms}, {"steps_per_candidate", t->samples}};
+    r["threads_auto"] = {{"chosen", t->chosen}, {"blas_chosen", t->blas}, {"many", t->many},
+                         {"one_thread_ms", t->one_ms}, {"many_threads_ms", t->many_ms},
+                         {"many_blas_threads_ms", t->blas_ms}, {"steps_per_candidate", t->samples}};
   if (auto b = blas_info())
     r["blas"] = {{"library", b->library}, {"core", b->core}, {"detected", b->detected},
                  {"reason", b->reason}};
@@ -145,6 +147,7 @@ std::string report_markdown(const nlohmann::json& r) {
   md << "# frugal run report\n\n";
   md << "config `" << r.value("config_file", "") << "`, LibTorch " << r.value("libtorch_version", "")
      << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads";
+  if (r.value("blas_threads", 0) > 0) md << " (BLAS " << r.value("blas_threads", 0) << ")";
   if (r.contains("blas")) {
     const auto& b = r["blas"];
     md << ", " << b.value("library", "") << " " << b.value("core", "");
@@ -155,7 +158,11 @@ std::string report_markdown(const nlohmann::json& r) {
     const auto& t = r["threads_auto"];
     md << " (run.threads = auto: a step took " << num(t.value("one_thread_ms", 0.0), 2)
        << " ms on 1 thread, " << num(t.value("many_threads_ms", 0.0), 2) << " ms on "
-       << t.value("many", 0) << ")";
+       << t.value("many", 0) << " ATen threads";
+    if (t.value("many_blas_threads_ms", 0.0) > 0)
+      md << ", " << num(t.value("many_blas_threads_ms", 0.0), 2) << " ms on " << t.value("many", 0)
+         << " BLAS threads";
+    md << ")";
   }
   md << "\n\n";
   if (r.contains("error")) md << "**The run stopped with an error:** " << r["error"].get<std::string>() << "\n\n";

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <mutex>
 
+#include <spdlog/fmt/fmt.h>
 #include <spdlog/spdlog.h>
 
 #include "frugal/core/learner.h"
@@ -31,15 +32,31 @@ std::optional<ThreadChoice> g_choice;
 
 }  // namespace
 
-void set_threads(int64_t n) {
-  if (n <= 0) return;
-  at::set_num_threads(static_cast<int>(n));
-  // Looked up, not linked: present only when LibTorch's BLAS is one of these.
-  using OpenBlasSet = void (*)(int);
-  using BlisSet = void (*)(int64_t);  // dim_t
-  if (auto* f = reinterpret_cast<OpenBlasSet>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
-    f(static_cast<int>(n));
-  if (auto* f = reinterpret_cast<BlisSet>(dlsym(RTLD_DEFAULT, "bli_thread_set_num_threads"))) f(n);
+namespace {
+// Looked up, not linked: present only when LibTorch's BLAS is one of these.
+using OpenBlasSet = void (*)(int);
+using OpenBlasGet = int (*)();
+using BlisSet = void (*)(int64_t);  // dim_t
+using BlisGet = int64_t (*)();
+template <class F>
+F blas_symbol(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+}
+}  // namespace
+
+void set_threads(int64_t aten, int64_t blas) {
+  if (aten <= 0 || blas <= 0) return;
+  at::set_num_threads(static_cast<int>(aten));
+  if (auto* f = blas_symbol<OpenBlasSet>("openblas_set_num_threads")) f(static_cast<int>(blas));
+  if (auto* f = blas_symbol<BlisSet>("bli_thread_set_num_threads")) f(blas);
+}
+
+void set_threads(int64_t n) { set_threads(n, 1); }
+
+int64_t blas_threads() {
+  if (auto* f = blas_symbol<OpenBlasGet>("openblas_get_num_threads")) return f();
+  if (auto* f = blas_symbol<BlisGet>("bli_thread_get_num_threads")) return f();
+  return 0;
 }
 
 int64_t available_cores() {
@@ -57,68 +74,90 @@ std::optional<ThreadChoice> last_thread_choice() {
 ThreadTuner::ThreadTuner(int64_t many, std::shared_ptr<spdlog::logger> log)
     : many_(many),
       initial_(at::get_num_threads()),
-      log_(log ? std::move(log) : spdlog::default_logger()) {}
+      log_(log ? std::move(log) : spdlog::default_logger()) {
+  candidates_ = {{1, 1}, {many_, 1}};
+  if (blas_threads() > 0) candidates_.push_back({1, many_});
+  times_.resize(candidates_.size());
+}
 
-// Step 0 warms up with `many`; then 1, many, 1, many, ... for `rounds` each.
-int64_t ThreadTuner::threads_for(int64_t step) const { return step % 2 == 1 ? 1 : many_; }
+// Step 0 warms up on many ATen threads; then each candidate in turn, `rounds_` times.
+const ThreadTuner::Setting& ThreadTuner::setting_for(int64_t step) const {
+  return step == 0 ? candidates_[1] : candidates_[static_cast<size_t>(step - 1) % candidates_.size()];
+}
 
 void ThreadTuner::before_batch(Learner&) {
   if (inert() || decided()) return;
-  set_threads(threads_for(step_));
+  const Setting& s = setting_for(step_);
+  set_threads(s.aten, s.blas);
   started_ = now_ms();
 }
 
 void ThreadTuner::after_batch(Learner& l) {
   if (inert() || decided() || l.batch_skipped()) return;  // a skipped batch times nothing
   const double ms = now_ms() - started_;
-  if (step_ > 0) (threads_for(step_) == 1 ? one_ : many_ms_).push_back(ms);
+  if (step_ > 0) times_[static_cast<size_t>(step_ - 1) % candidates_.size()].push_back(ms);
   ++step_;
-  if (static_cast<int>(many_ms_.size()) >= rounds_) decide();
+  if (static_cast<int>(times_.back().size()) >= rounds_) decide();
 }
 
 void ThreadTuner::after_fit(Learner&) {
   if (inert() || decided()) return;
-  if (!one_.empty() && !many_ms_.empty()) return decide();
+  if (std::all_of(times_.begin(), times_.end(), [](const auto& t) { return !t.empty(); }))
+    return decide();
   set_threads(initial_);
 }
 
 void ThreadTuner::decide() {
+  std::vector<double> ms;
+  for (const auto& t : times_) ms.push_back(median(t));
+  const size_t best = static_cast<size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
   choice_.many = many_;
-  choice_.one_ms = median(one_);
-  choice_.many_ms = median(many_ms_);
-  choice_.samples = static_cast<int64_t>(many_ms_.size());
-  choice_.chosen = choice_.many_ms < choice_.one_ms ? many_ : 1;
-  set_threads(choice_.chosen);
+  choice_.one_ms = ms[0];
+  choice_.many_ms = ms[1];
+  choice_.blas_ms = ms.size() > 2 ? ms[2] : 0.0;
+  choice_.samples = static_cast<int64_t>(times_.back().size());
+  choice_.chosen = candidates_[best].aten;
+  choice_.blas = candidates_[best].blas;
+  set_threads(choice_.chosen, choice_.blas);
   {
     std::lock_guard<std::mutex> g(g_choice_m);
     g_choice = choice_;
   }
-  log_->info("run.threads = auto: a step took {:.2f} ms on 1 thread and {:.2f} ms on {} (medians of "
-             "{}); training on {}",
-             choice_.one_ms, choice_.many_ms, many_, rounds_, choice_.chosen);
+  log_->info("run.threads = auto: a step took {:.2f} ms on 1 thread, {:.2f} ms on {} ATen threads"
+             "{} (medians of {}); training on {} ATen and {} BLAS thread(s)",
+             choice_.one_ms, choice_.many_ms, many_,
+             ms.size() > 2 ? fmt::format(", {:.2f} ms on {} BLAS threads", choice_.blas_ms, many_)
+                           : std::string(),
+             rounds_, choice_.chosen, choice_.blas);
 }
 
 void ThreadTuner::save_state(torch::serialize::OutputArchive& a) const {
   if (inert()) return;
   a.write("chosen", torch::tensor(choice_.chosen));
+  a.write("blas", torch::tensor(choice_.blas));
   a.write("many", torch::tensor(choice_.many));
-  a.write("times_ms", torch::tensor(std::vector<double>{choice_.one_ms, choice_.many_ms}));
+  a.write("times_ms",
+          torch::tensor(std::vector<double>{choice_.one_ms, choice_.many_ms, choice_.blas_ms}));
 }
 
 void ThreadTuner::load_state(Learner&, torch::serialize::InputArchive& a) {
   if (inert()) return;  // run.threads is a number now, or nothing can be tuned here
-  torch::Tensor chosen, many, times;
+  torch::Tensor chosen, blas, many, times;
   a.read("chosen", chosen);
+  // Checkpoints before the BLAS candidate have no "blas": their many-thread choice is many + 1.
+  const bool has_blas = a.try_read("blas", blas);
   a.read("many", many);
   a.read("times_ms", times);
   if (chosen.item<int64_t>() <= 0) return;  // saved before the choice: measure again
   // "All cores" means this machine's: a run resumed elsewhere keeps the choice, not the count.
   choice_.chosen = chosen.item<int64_t>() == 1 ? 1 : many_;
+  choice_.blas = has_blas && blas.item<int64_t>() > 1 ? many_ : 1;
   choice_.many = many_;
   choice_.one_ms = times[0].item<double>();
   choice_.many_ms = times[1].item<double>();
+  choice_.blas_ms = times.numel() > 2 ? times[2].item<double>() : 0.0;
   choice_.samples = rounds_;
-  set_threads(choice_.chosen);
+  set_threads(choice_.chosen, choice_.blas);
   std::lock_guard<std::mutex> g(g_choice_m);
   g_choice = choice_;
 }

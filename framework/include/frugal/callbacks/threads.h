@@ -1,14 +1,18 @@
 #pragma once
-/// CPU threads: one setting for LibTorch's intra-op pool and the BLAS library, and
-/// `run.threads = "auto"` (the default), which keeps whichever of 1 thread and all available
-/// cores trains faster.
+/// CPU threads: LibTorch's intra-op pool and the BLAS library's own, and `run.threads = "auto"`
+/// (the default), which keeps whichever setting trains fastest.
 ///
-/// Intra-op threads help big operations and cost more than they give on small ones (a small
-/// MLP at batch 32 runs several times slower on 2 threads than on 1), so the choice is
-/// measured, not guessed: ThreadTuner times the first training batches alternately with 1 and
-/// with N threads (N = the cores this process may run on), keeps the faster and logs both
-/// medians. The batches are real training steps (nothing is computed twice); the choice is
-/// saved with checkpoints, so a resumed run keeps it.
+/// Debian's LibTorch runs its operations on an OpenMP pool and its matrix products on
+/// OpenBLAS, which has a pthread pool of its own. Both pools busy-wait between jobs, so with
+/// both above one thread they take the cores from each other: on 2 cores a small MLP's step
+/// took 3.4x as long with 2 + 2 threads as with 1 + 1, and no workload measured was fastest so
+/// (docs/speed.md). A setting therefore gives threads to one pool: `run.threads = N` is N
+/// ATen threads and 1 BLAS thread. "auto" measures, on the first training batches, 1 + 1,
+/// N ATen + 1 BLAS and 1 ATen + N BLAS (N = the cores this process may run on; the last only
+/// where the BLAS has a pool of its own), alternating, keeps the fastest and logs the medians
+/// (a CNN trained 2.1x faster with its convolutions on ATen's pool, an MLP at batch 256 1.5x
+/// with its products on OpenBLAS's). The batches are real training steps (nothing is computed
+/// twice); the choice is saved with checkpoints, so a resumed run keeps it.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -19,18 +23,25 @@
 
 namespace frugal {
 
-/// Sets LibTorch's intra-op threads and, when LibTorch calls an OpenBLAS or BLIS of its own
-/// threads (Debian's does), theirs: at::set_num_threads alone leaves OpenBLAS on all cores.
+/// Sets LibTorch's intra-op threads to `aten` and, when LibTorch calls an OpenBLAS or BLIS
+/// with threads of its own (Debian's does), theirs to `blas` (at::set_num_threads alone
+/// leaves OpenBLAS on all cores).
+void set_threads(int64_t aten, int64_t blas);
+/// run.threads = n: n ATen threads, 1 BLAS thread (the pools do not share cores well).
 void set_threads(int64_t n);
+/// The BLAS library's own threads; 0 when it has no pool of its own that frugal knows.
+int64_t blas_threads();
 /// The cores this process may run on (its CPU affinity), at least 1.
 int64_t available_cores();
 
 /// What ThreadTuner measured and chose.
 struct ThreadChoice {
-  int64_t chosen = 0;      ///< 1 or `many`
-  int64_t many = 0;        ///< the other candidate: available_cores()
-  double one_ms = 0;       ///< median step time with 1 thread
-  double many_ms = 0;      ///< median step time with `many`
+  int64_t chosen = 0;      ///< ATen threads chosen: 1 or `many`
+  int64_t blas = 0;        ///< BLAS threads chosen: 1 or `many`
+  int64_t many = 0;        ///< the other count: available_cores()
+  double one_ms = 0;       ///< median step time with 1 ATen and 1 BLAS thread
+  double many_ms = 0;      ///< ... with `many` ATen threads and 1 BLAS thread
+  double blas_ms = 0;      ///< ... with 1 ATen thread and `many` BLAS threads (0: not timed)
   int64_t samples = 0;     ///< timed steps per candidate
 };
 /// The choice made in this process, if any (threads are process-wide).
@@ -38,8 +49,8 @@ std::optional<ThreadChoice> last_thread_choice();
 
 class ThreadTuner : public Callback {
  public:
-  /// Steps it takes to decide: one warm-up, then 3 per candidate, alternating.
-  static constexpr int64_t kSteps = 7;
+  /// Steps it takes to decide, at most: one warm-up, then 3 per candidate, in turn.
+  static constexpr int64_t kSteps = 10;
   /// `many` > 1: the candidate besides 1 thread. `many` <= 1: an inert tuner that measures
   /// nothing and saves nothing, and ignores a checkpoint's choice (run.threads set to a number,
   /// a GPU, one core, a run too short to measure in): so a checkpoint of an "auto" run resumes
@@ -57,15 +68,19 @@ class ThreadTuner : public Callback {
   const ThreadChoice& choice() const { return choice_; }
 
  private:
-  int64_t threads_for(int64_t step) const;
+  struct Setting {
+    int64_t aten, blas;
+  };
+  const Setting& setting_for(int64_t step) const;
   void decide();
-  static constexpr int rounds_ = (kSteps - 1) / 2;
+  static constexpr int rounds_ = 3;
   bool inert() const { return many_ <= 1; }
   int64_t many_;
   int64_t initial_;  // the intra-op threads before tuning
   std::shared_ptr<spdlog::logger> log_;
   int64_t step_ = 0;  // training steps seen while deciding
-  std::vector<double> one_, many_ms_;
+  std::vector<Setting> candidates_;  // 1 + 1, many + 1, and 1 + many with a BLAS pool
+  std::vector<std::vector<double>> times_;  // per candidate
   double started_ = 0;
   ThreadChoice choice_;
 };
