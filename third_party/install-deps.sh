@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs, from Debian 12's packages, whatever frugal needs that this machine lacks.
 # Idempotent: when everything is present it only checks (a few seconds) and installs nothing.
-# Usage: bash third_party/install-deps.sh [--no-data]
+# Usage: bash third_party/install-deps.sh [--no-data] [--bench]
+#   --no-data  leaves out the examples' data (Fashion-MNIST, fortunes)
+#   --bench    adds what examples/pytorch/side_by_side.py needs: PyTorch (python3-torch) and the
+#              allocators its PyTorch side is also run with (libjemalloc2, libtcmalloc-minimal4)
 set -euo pipefail
 
 pkgs=(
@@ -17,7 +20,15 @@ pkgs=(
 )
 # Real data for the examples: Fashion-MNIST, and (text, for the gpt examples) about 2.6 MB of
 # English in /usr/share/games/fortunes. The tests make their own data.
-[ "${1:-}" = "--no-data" ] || pkgs+=(dataset-fashion-mnist fortunes)
+no_data=0 bench=0
+for a in "$@"; do
+  case "$a" in
+    --no-data) no_data=1 ;;
+    --bench) bench=1 ;;
+  esac
+done
+[ "$no_data" = 1 ] || pkgs+=(dataset-fashion-mnist fortunes)
+[ "$bench" = 0 ] || pkgs+=(python3-torch libjemalloc2 libtcmalloc-minimal4)
 
 missing=()
 for p in "${pkgs[@]}"; do

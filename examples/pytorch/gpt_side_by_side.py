@@ -16,7 +16,12 @@ from pathlib import Path
 
 def read_config(path):
     with open(path, "rb") as f:
-        c = tomllib.load(f)
+        return config_from(tomllib.load(f))
+
+
+def config_from(c):
+    """The comparison's settings from a parsed config (side_by_side.py passes one with its --set
+    overrides applied)."""
     run, data, model, opt = (c.get(k, {}) for k in ("run", "data", "model", "optimizer"))
     return dict(seed=run.get("seed", 0), max_steps=run["max_steps"], warmup=run.get("warmup", 2),
                 threads=run.get("threads", 0), paths=data["paths"],
@@ -117,6 +122,13 @@ def init_gpt(model, seed, n_layer):
 # ---------------------------------------------------------------- the PyTorch side (a child)
 
 def pytorch_worker(c, result_path):
+    Path(result_path).write_text(json.dumps(train_pytorch(c), indent=1))
+
+
+def train_pytorch(c, live_bytes=True):
+    """Trains the gpt in PyTorch as frugal does; returns the measurements. live_bytes=False
+    leaves out the profiled step (live tensor bytes: None) so that every step is timed alike
+    (examples/pytorch/side_by_side.py times the whole training)."""
     import torch
     import torch.nn.functional as F
     from torch.profiler import profile, ProfilerActivity
@@ -143,7 +155,7 @@ def pytorch_worker(c, result_path):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    def live_bytes(*extra):  # the storages alive now, each counted once
+    def tensor_bytes(*extra):  # the storages alive now, each counted once
         ts = [*model.parameters(), *model.buffers(), tokens, *extra]
         ts += [p.grad for p in model.parameters() if p.grad is not None]
         ts += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -155,7 +167,8 @@ def pytorch_worker(c, result_path):
     # though Debian's build has kineto_available() False: prof.profiler.kineto_results.events()
     # gives _KinetoEvent objects with name(), nbytes(), start_us() and device_type().
     model.train()
-    times, live_peak, it, epoch = [], None, 0, 0
+    times, live_peak, it, epoch, profiled = [], None, 0, 0, 0.0
+    t_train = time.perf_counter()
     while it < c["max_steps"]:
         if c["shuffle"]:
             starts = torch.randint(0, n_train - T, (windows,),
@@ -167,8 +180,10 @@ def pytorch_worker(c, result_path):
             idx = starts[i * B:(i + 1) * B].unsqueeze(1) + ar
             x, y = train[idx].long(), train[idx + 1].long()
             last = it == c["max_steps"] - 1
-            if live_peak is None and (last or it >= c["warmup"] and len(x) == min(B, windows)):
-                base = live_bytes(x, y)
+            if live_bytes and live_peak is None and (
+                    last or it >= c["warmup"] and len(x) == min(B, windows)):
+                t0 = time.perf_counter()
+                base = tensor_bytes(x, y)
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                     losses.append(step(x, y))
                 run = top = 0
@@ -177,6 +192,7 @@ def pytorch_worker(c, result_path):
                     run += e.nbytes()
                     top = max(top, run)
                 live_peak = base + top
+                profiled += time.perf_counter() - t0
             else:
                 t0 = time.perf_counter()
                 losses.append(step(x, y))
@@ -185,9 +201,10 @@ def pytorch_worker(c, result_path):
             if it >= c["max_steps"]:
                 break
         epoch += 1
+    train_seconds = time.perf_counter() - t_train - profiled  # the profiled step left out
     steady = [t for k, t in times if k >= c["warmup"]] or [t for _, t in times] or [float("nan")]
 
-    valid_loss, total, count = float("nan"), 0.0, 0
+    valid_loss, valid_accuracy, total, count, correct = float("nan"), None, 0.0, 0, 0
     if c["valid_samples"] >= 0:  # -1: no validation
         nv = (n_valid - 1) // T
         nv = min(nv, c["valid_samples"]) if c["valid_samples"] > 0 else nv
@@ -198,12 +215,14 @@ def pytorch_worker(c, result_path):
                 x, y = valid[idx].long(), valid[idx + 1].long()
                 logits = model(x).reshape(-1, 256)
                 total += F.cross_entropy(logits, y.reshape(-1), reduction="sum").item()
+                correct += (logits.argmax(1) == y.reshape(-1)).sum().item()
                 count += y.numel()
         valid_loss = total / count if count else float("nan")
-    Path(result_path).write_text(json.dumps(dict(
-        valid_loss=valid_loss, final_loss=sum(losses) / len(losses),
-        step_seconds=statistics.median(steady), live_peak_bytes=live_peak, steps=it,
-        threads=torch.get_num_threads(), torch_version=torch.__version__), indent=1))
+        valid_accuracy = correct / count if count else None  # next-byte accuracy, as frugal's
+    return dict(valid_loss=valid_loss, valid_accuracy=valid_accuracy,
+                final_loss=sum(losses) / len(losses), train_seconds=train_seconds,
+                step_seconds=statistics.median(steady), live_peak_bytes=live_peak, steps=it,
+                threads=torch.get_num_threads(), torch_version=torch.__version__)
 
 
 # ---------------------------------------------------------------- the driver

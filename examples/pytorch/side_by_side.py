@@ -1,33 +1,79 @@
-"""frugal's image models trained side by side in frugal and in plain PyTorch, one table per run.
+"""frugal trained side by side with plain PyTorch at its best, one Markdown table per run.
 
-Each --config (Fashion-MNIST, model.arch "mlp" or "cnn") is trained by frugal and by a plain
-PyTorch loop, each in its own child process, --rounds times with the sides alternating which goes
-first (medians over the rounds). Both sides do the same work, with the same LibTorch kernels, so
-their losses agree (checked: the first batch's loss is bitwise equal, the epoch's mean loss and
-the validation accuracy to every printed digit):
+Each --config is trained by frugal and by a plain PyTorch loop, each in its own child process:
+Fashion-MNIST with model.arch "mlp" or "cnn", or (data.dataset "text", model.arch "gpt") the
+byte-level language model, whose PyTorch side is examples/pytorch/gpt_side_by_side.py's. The
+README's table (docs/speed.md) is made on an idle machine by
+
+    /usr/bin/python3 examples/pytorch/side_by_side.py --frugal build/bin/frugal \\
+        --config examples/configs/side_by_side_mlp.toml \\
+        --config examples/configs/side_by_side_cnn.toml \\
+        --config examples/configs/side_by_side_gpt.toml --rounds 3 \\
+        --out examples/pytorch/side_by_side.md
+
+PyTorch at its best: each round runs frugal once and the PyTorch child three times, with glibc's
+malloc (no preload) and with jemalloc and tcmalloc preloaded (LD_PRELOAD of Debian's
+libjemalloc2 and libtcmalloc-minimal4: /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 and
+libtcmalloc_minimal.so.4; a missing one is skipped and the footnote says so; `bash
+third_party/install-deps.sh --bench` installs them). The variant with the lowest median epoch
+time is PyTorch's best, and the frugal / PyTorch ratios (epoch, step, peak RSS) are against it.
+The same BLAS kernels on both sides: Debian's OpenBLAS 0.3.21 does not recognise some CPUs and
+falls back to its slowest kernels (Prescott); frugal then switches to the CPU's (report.json
+"blas"), and the PyTorch child starts with OPENBLAS_CORETYPE set to the same core, unless
+OPENBLAS_CORETYPE is already set (then both sides inherit it) or --pytorch-blas-as-found is given
+(PyTorch keeps what OpenBLAS chose: what frugal's choice is worth). Both sides' cores, read in
+each process, are in the footnote.
+
+The spread: --rounds R (default 3; fewer is warned of in the footnote) rounds, the order of the
+four processes reversed every other round (frugal first, then last). Each time is the median
+over the rounds with its range (min-max) beside it. The footnote has the CPU model, the core
+count and the load average before the first round and after the last; a 1-minute load above 0.5
+at the start is warned of (stderr and footnote): the machine was not idle.
+
+Both sides do the same work, with the same LibTorch kernels:
 - data: the IDX files read as uint8 and kept in memory; batch = index_select of the epoch's order,
   then (x / 255 - 0.2860) / 0.3530 in float32 as frugal computes it; the last batch may be short.
   The order is frugal's Fisher-Yates shuffle on std::mt19937_64 seeded run.seed + epoch
-  (written out below); validation is the first data.valid_samples test images, in order.
+  (written out below); validation is the first data.valid_samples test images, in order. The
+  gpt: the corpus's bytes, frugal's random windows, the first data.valid_samples validation
+  windows (gpt_side_by_side.py);
 - model: the same modules built in the same order after torch.manual_seed(run.seed), so
-  LibTorch's default init (kaiming-uniform) draws the same weights from the same generator;
+  LibTorch's default init (kaiming-uniform) draws the same weights from the same generator (the
+  gpt: frugal's init, one generator);
 - loss and optimizer: cross entropy (with loss.label_smoothing), torch.optim.Adam/AdamW with
   frugal's betas, eps and weight decay; the step: zero_grad(set_to_none), forward, backward, step.
+Checked, per model: every PyTorch run (all allocators, all rounds) ends with bitwise the same
+train loss, validation loss and accuracy (an allocator must not change a number: else the table
+is still written, marked, and the exit status is 1), and so does every frugal round; frugal's
+against PyTorch's: equal to every printed digit, else a warning (stderr, footnote) with the
+difference. They can differ when the two sides run OpenBLAS on different thread counts or
+kernels (a GEMM split another way sums in another order): frugal puts OpenBLAS on its own thread
+count, PyTorch leaves it on all cores; OPENBLAS_NUM_THREADS=N with --set run.threads=N gives
+both N.
 Timed: the training epoch, from its first batch to its last, batch gathering included,
-validation, data loading and process start-up excluded (frugal's report.json fit.train_seconds);
-the step: forward, loss, backward and optimizer step of one batch, its gathering excluded (frugal's
-fit.step_seconds.median), the first run.warmup steps of each stage left out. Peak RSS: each child's
-ru_maxrss (wait4). Neither side sets a thread count unless the config has run.threads:
-
-    /usr/bin/python3 examples/pytorch/side_by_side.py --frugal build/bin/frugal \
-        --config examples/configs/side_by_side_mlp.toml \
-        --config examples/configs/side_by_side_cnn.toml --rounds 3 \
-        --out examples/pytorch/side_by_side.md
+validation, data loading and process start-up excluded (frugal's report.json fit.train_seconds;
+the gpt's epoch is its run.max_steps steps); the step: forward, loss, backward and optimizer step
+of one batch, its gathering excluded (frugal's fit.step_seconds.median), the first run.warmup
+steps of each stage left out. Peak RSS: each child's ru_maxrss (wait4). Neither side sets a
+thread count unless the config has run.threads.
 """
-import argparse, gzip, json, os, shlex, statistics, subprocess, sys, tempfile, time, tomllib
+import argparse, gzip, json, math, os, shlex, statistics, subprocess, sys, tempfile, time, tomllib
 from pathlib import Path
 
 MEAN, STD = 0.2860, 0.3530  # frugal's Fashion-MNIST statistics (data.cpp)
+LIBDIR = "/usr/lib/x86_64-linux-gnu"
+# The PyTorch child's allocators: (name, the library preloaded; None: glibc's malloc).
+ALLOCATORS = [("glibc", None), ("jemalloc", f"{LIBDIR}/libjemalloc.so.2"),
+              ("tcmalloc", f"{LIBDIR}/libtcmalloc_minimal.so.4")]
+
+
+def gpt_module():
+    """examples/pytorch/gpt_side_by_side.py: the gpt's config, model, init and PyTorch loop."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import gpt_side_by_side
+    return gpt_side_by_side
 
 
 def read_config(path, sets):
@@ -44,12 +90,16 @@ def read_config(path, sets):
                                                           "loss"))
     stages = c.get("stages", [{}])
     bad = [k for s in stages for k in ("optimizer", "image_size", "freeze", "seq_len") if k in s]
+    if data.get("dataset") == "text" or model.get("arch") == "gpt":
+        return read_gpt_config(path, c, stages, bad)
     if data.get("dataset", "fashion-mnist") != "fashion-mnist" or bad or run.get("max_steps", 0):
         sys.exit(f"{path}: the comparison takes Fashion-MNIST, stages with epochs only (found "
                  f"{bad}) and no run.max_steps")
     if model.get("arch", "cnn") not in ("mlp", "cnn") or model.get("dropout", 0.0) != 0:
         sys.exit(f"{path}: the comparison takes model.arch mlp or cnn, with no dropout")
-    return dict(seed=run.get("seed", 0), threads=run.get("threads", 0), warmup=run.get("warmup", 2),
+    threads = run.get("threads", 0)
+    return dict(kind="image", seed=run.get("seed", 0),
+                threads=threads if isinstance(threads, int) else 0, warmup=run.get("warmup", 2),
                 path=data.get("path", "/usr/share/datasets/fashion-mnist"),
                 batch=data.get("batch_size", 128), valid_batch=data.get("valid_batch_size", 1000),
                 train_samples=data.get("train_samples", 0),
@@ -60,6 +110,32 @@ def read_config(path, sets):
                 betas=(opt.get("beta1", 0.9), opt.get("beta2", 0.999)),
                 smoothing=loss.get("label_smoothing", 0.0),
                 stages=[s.get("epochs", 1) for s in stages])
+
+
+def read_gpt_config(path, c, stages, bad):
+    """The gpt: one learning rate, whole windows, and run.max_steps = the stages' epochs of
+    data.windows_per_epoch windows (the PyTorch loop stops at max_steps, frugal at both)."""
+    run, data, model = (c.get(k, {}) for k in ("run", "data", "model"))
+    smoothing = c.get("loss", {}).get("label_smoothing", 0.0)
+    if data.get("dataset") != "text" or model.get("arch") != "gpt" or bad or smoothing:
+        sys.exit(f"{path}: the gpt comparison takes data.dataset text, model.arch gpt, no "
+                 f"loss.label_smoothing and stages with epochs only (found {bad})")
+    try:
+        g = gpt_module().config_from(c)
+    except KeyError as e:
+        sys.exit(f"{path}: the gpt comparison needs {e.args[0]} (run.max_steps, data.paths, "
+                 "data.batch_size, model.n_layer, n_head, n_embd)")
+    epochs = [s.get("epochs", 1) for s in stages]
+    per_epoch = math.ceil(g["windows"] / g["batch"]) if g["windows"] > 0 else 0
+    if not per_epoch or g["max_steps"] != per_epoch * sum(epochs):
+        sys.exit(f"{path}: the gpt comparison needs data.windows_per_epoch and run.max_steps = "
+                 f"its batches times the epochs ({per_epoch} x {sum(epochs)}), found "
+                 f"{g['max_steps']}")
+    if g["dropout"] != 0:
+        sys.exit(f"{path}: model.dropout = {g['dropout']}: the comparison needs 0")
+    if not isinstance(g["threads"], int):
+        g["threads"] = 0
+    return dict(g, kind="gpt", stages=epochs)
 
 
 def mt19937_64(seed):
@@ -132,7 +208,8 @@ def make_model(c):
 
 # ---------------------------------------------------------------- the PyTorch side (a child)
 
-def pytorch_worker(c, result_path):
+def train_image(c):
+    """Trains the mlp or cnn in PyTorch as frugal does; returns the measurements."""
     import torch
     import torch.nn.functional as F
 
@@ -187,18 +264,49 @@ def pytorch_worker(c, result_path):
                 loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
                 correct += (logits.argmax(1) == y).sum().item()
         acc, valid_loss = correct / len(valid[1]), loss_sum / len(valid[1])
-    Path(result_path).write_text(json.dumps(dict(
-        train_seconds=sum(epoch_seconds), step_seconds=statistics.median(steps),
-        final_loss=epoch_losses[-1], valid_accuracy=acc, valid_loss=valid_loss,
-        threads=torch.get_num_threads(), torch_version=torch.__version__), indent=1))
+    return dict(train_seconds=sum(epoch_seconds), step_seconds=statistics.median(steps),
+                final_loss=epoch_losses[-1], valid_accuracy=acc, valid_loss=valid_loss,
+                threads=torch.get_num_threads(), torch_version=torch.__version__)
+
+
+def blas_core():
+    """The OpenBLAS kernels in use in this process ("SkylakeX", "Prescott", ...) and its thread
+    count; (None, None) when torch does not run on OpenBLAS or the library cannot be asked."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            if "openblas" not in f.read():
+                return None, None  # not loaded: a fresh copy would answer for nothing in use
+        lib = ctypes.CDLL("libopenblas.so.0")
+        get = lib.openblas_get_corename
+        get.restype = ctypes.c_char_p
+        name = get()
+        return (name.decode() if name else None), lib.openblas_get_num_threads()
+    except (OSError, AttributeError, UnicodeDecodeError):
+        return None, None
+
+
+def allocator_in_use():
+    """Which malloc this process runs on: a preloaded jemalloc or tcmalloc, else glibc's."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    stems = [(n, "/" + Path(lib).name.split(".so")[0]) for n, lib in ALLOCATORS if lib]
+    return next((n for n, stem in stems if stem in maps), "glibc")
+
+
+def pytorch_worker(c, result_path):
+    res = gpt_module().train_pytorch(c, live_bytes=False) if c["kind"] == "gpt" else train_image(c)
+    core, threads = blas_core()
+    res.update(blas_core=core, blas_threads=threads, allocator=allocator_in_use())
+    Path(result_path).write_text(json.dumps(res, indent=1))
 
 
 # ---------------------------------------------------------------- the driver
 
-def run_child(argv, log):
+def run_child(argv, log, env=None):
     """Runs argv with its output in `log`; returns its peak RSS in bytes (wait4's ru_maxrss)."""
     with open(log, "w") as f:
-        pid = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT).pid
+        pid = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env).pid
         _, status, usage = os.wait4(pid, 0)
     if (code := os.waitstatus_to_exitcode(status)) != 0:
         tail = Path(log).read_text(errors="replace")[-3000:]
@@ -218,57 +326,229 @@ def run_frugal(args, config, workdir):
     fit = report.get("fit", {})
     if "train_seconds" not in fit or "median" not in fit.get("step_seconds", {}):
         sys.exit(f"{path} has no fit.train_seconds or fit.step_seconds.median")
+    blas = report.get("blas")  # absent before frugal chose OpenBLAS's core: unknown
     return dict(train_seconds=fit["train_seconds"], step_seconds=fit["step_seconds"]["median"],
                 final_loss=fit["final_loss"], valid_accuracy=fit.get("valid_accuracy"),
-                valid_loss=fit.get("valid_loss"), threads=report.get("threads"), rss=rss)
+                valid_loss=fit.get("valid_loss"), threads=report.get("threads"), rss=rss,
+                blas=blas if isinstance(blas, dict) else None)
 
 
-def run_pytorch(args, config, workdir):
-    result = Path(workdir, "pytorch.json")
+def frugal_switched(blas):
+    """The core frugal switched OpenBLAS to, None when it kept what OpenBLAS chose (or is older
+    than report.json's "blas")."""
+    if blas and blas.get("core") and blas.get("detected") and blas["core"] != blas["detected"]:
+        return blas["core"]
+    return None
+
+
+def pytorch_env(args, lib, frugal_blas):
+    """The PyTorch child's environment: lib preloaded (None: no preload, glibc's malloc) and
+    OpenBLAS on frugal's kernels unless the user set them or asked for them as found."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if lib:
+        env["LD_PRELOAD"] = lib
+    core = frugal_switched(frugal_blas)
+    if core and not args.pytorch_blas_as_found and "OPENBLAS_CORETYPE" not in os.environ:
+        env["OPENBLAS_CORETYPE"] = core
+    return env
+
+
+def run_pytorch(args, config, workdir, variant, lib, frugal_blas):
+    result = Path(workdir, f"pytorch-{variant}.json")
     result.unlink(missing_ok=True)
+    env = pytorch_env(args, lib, frugal_blas)
     rss = run_child([sys.executable, os.path.abspath(__file__), "--worker", "pytorch", "--config",
-                     config, *args.set_argv, "--result", str(result)], Path(workdir, "pytorch.log"))
-    return dict(json.loads(result.read_text()), rss=rss)
+                     config, *args.set_argv, "--result", str(result)],
+                    Path(workdir, f"pytorch-{variant}.log"), env)
+    res = json.loads(result.read_text())
+    if res.get("allocator") != variant:  # the preload did not take: the row would be a lie
+        sys.exit(f"the PyTorch child for {variant} ran on {res.get('allocator')}'s malloc "
+                 f"(LD_PRELOAD={lib}); see {Path(workdir, f'pytorch-{variant}.log')}")
+    return dict(res, rss=rss, coretype=env.get("OPENBLAS_CORETYPE"))
 
 
 def describe(c):
     epochs = sum(c["stages"])
+    if c["kind"] == "gpt":
+        return (f"gpt {c['n_layer']} layers x {c['n_embd']} ({c['n_head']} heads), context "
+                f"{c['context'] or c['block']}, batch {c['batch']}, {c['opt']} lr {c['lr']:g}, "
+                f"{epochs} epoch(s) of {c['max_steps'] // epochs} steps")
     net = (f"mlp {'-'.join(map(str, [784] + [c['width']] * (c['depth'] + 1) + [10]))}"
            if c["arch"] == "mlp" else f"cnn width {c['width']}")
     return f"{net}, batch {c['batch']}, {c['opt']} lr {c['lr']:g}, {epochs} epoch(s)"
 
 
-def table(args, rows):
-    MiB, r = 1 << 20, lambda a, b: f"{a / b:.2f}" if b else "-"
+def summary(cfg, runs):
+    """Medians over the rounds; the epoch's range (min-max) too."""
+    epochs = [r["train_seconds"] / sum(cfg["stages"]) for r in runs]
+    threads = sorted({r["threads"] for r in runs}, key=str)  # frugal's auto may differ
+    return dict(runs[0], epoch=statistics.median(epochs), lo=min(epochs), hi=max(epochs),
+                n=len(runs), threads="/".join(map(str, threads)),
+                **{k: statistics.median(r[k] for r in runs) for k in ("step_seconds", "rss")})
+
+
+def printed(r):
+    """The numbers as the table prints them."""
     pct = lambda a: "-" if a is None else f"{100 * a:.2f}%"
+    num = lambda a: "-" if a is None or (isinstance(a, float) and math.isnan(a)) else f"{a:.4f}"
+    return dict(train_loss=num(r["final_loss"]), valid_loss=num(r.get("valid_loss")),
+                valid_acc=pct(r.get("valid_accuracy")))
+
+
+def exactness(name, f_runs, p_runs):
+    """(problems that fail the run, warnings, a sentence for the footnote)."""
+    keys = ("final_loss", "valid_loss", "valid_accuracy")
+    exact = lambda rs: len({json.dumps([r.get(k) for k in keys]) for r in rs}) == 1
+    fails, warns = [], []
+    pt = [r for rs in p_runs.values() for r in rs]
+    if not exact(pt):
+        fails.append(f"{name}: the PyTorch runs differ among themselves: " + "; ".join(
+            f"{v} round {i + 1}: train loss {r['final_loss']!r}, valid loss "
+            f"{r.get('valid_loss')!r}, valid acc {r.get('valid_accuracy')!r}"
+            for v, rs in p_runs.items() for i, r in enumerate(rs)))
+    if not exact(f_runs):  # a failure unless run.threads = "auto" chose different counts
+        (fails if len({r["threads"] for r in f_runs}) == 1 else warns).append(
+            f"{name}: frugal's rounds differ among themselves: train losses "
+            + ", ".join(f"{r['final_loss']!r} ({r['threads']} thread(s))" for r in f_runs))
+    f, p = f_runs[0], pt[0]
+    diff = abs(f["final_loss"] - p["final_loss"])
+    if printed(f) != printed(p):
+        a, b = printed(f), printed(p)
+        warns.append(f"{name}: frugal and PyTorch differ in the printed digits (train loss "
+                     f"{a['train_loss']} / {b['train_loss']}, valid loss {a['valid_loss']} / "
+                     f"{b['valid_loss']}, valid acc {a['valid_acc']} / {b['valid_acc']}; frugal "
+                     f"on {f['threads']} thread(s) (OpenBLAS too), PyTorch on {p['threads']} "
+                     f"(OpenBLAS on {p.get('blas_threads')}); OpenBLAS kernels "
+                     f"{(f['blas'] or {}).get('core', 'unknown')} / {p.get('blas_core')}: "
+                     "OPENBLAS_NUM_THREADS=N with --set run.threads=N puts both on N)")
+    same = lambda rs: "bitwise equal" if exact(rs) else "NOT all equal (see the warnings)"
+    return fails, warns, (
+        f"{name}: PyTorch's {len(pt)} runs (all allocators and rounds) {same(pt)}, frugal's "
+        f"{len(f_runs)} round(s) {same(f_runs)}; frugal against PyTorch: "
+        + ("equal to every printed digit" if printed(f) == printed(p) else "DIFFERENT")
+        + f", train loss |difference| {diff:.2g}")
+
+
+def cell(s):
+    if s is None:
+        return "skipped"
+    return f"{s['epoch']:.2f}" + (f" ({s['lo']:.2f}-{s['hi']:.2f})" if s["n"] > 1 else "")
+
+
+def table(args, rows, machine, notes):
+    MiB, r = 1 << 20, lambda a, b: f"{a / b:.2f}" if b else "-"
+    names = [n for n, _ in ALLOCATORS]
     lines = [f"`{shlex.join([sys.executable] + sys.argv)}`", "",
-             "| model | epoch (s) frugal | epoch (s) PyTorch | frugal / PyTorch "
+             "| model | epoch (s) frugal | "
+             + " | ".join(f"epoch (s) PyTorch {n}" for n in names)
+             + " | PyTorch at its best | frugal / best "
              "| step (ms) frugal | step (ms) PyTorch | frugal / PyTorch "
              "| peak RSS (MiB) frugal | peak RSS (MiB) PyTorch | frugal / PyTorch "
-             "| train loss frugal | train loss PyTorch | valid acc frugal | valid acc PyTorch |",
-             "|---" + "|---:" * 13 + "|"]
-    for cfg, f, p in rows:
-        ef, ep = (s["train_seconds"] / sum(cfg["stages"]) for s in (f, p))
+             "| train loss frugal | train loss PyTorch | valid loss frugal | valid loss PyTorch "
+             "| valid acc frugal | valid acc PyTorch |",
+             "|---|---:|" + "---:|" * len(names) + "---|" + "---:|" * 13]
+    for cfg, f, ps, best in rows:
+        p = ps[best]
+        fp, pp = printed(f), printed(p)
         lines.append(
-            f"| {describe(cfg)} | {ef:.2f} | {ep:.2f} | {r(ef, ep)} "
+            f"| {describe(cfg)} | {cell(f)} | " + " | ".join(cell(ps.get(n)) for n in names)
+            + f" | {best} | {r(f['epoch'], p['epoch'])} "
             f"| {1e3 * f['step_seconds']:.2f} | {1e3 * p['step_seconds']:.2f} "
             f"| {r(f['step_seconds'], p['step_seconds'])} "
             f"| {f['rss'] / MiB:.1f} | {p['rss'] / MiB:.1f} | {r(f['rss'], p['rss'])} "
-            f"| {f['final_loss']:.4f} | {p['final_loss']:.4f} "
-            f"| {pct(f['valid_accuracy'])} | {pct(p['valid_accuracy'])} |")
-    threads = "; ".join(f"{Path(n).name}: frugal {f['threads']}, PyTorch {p['threads']}"
-                        for n, (_, f, p) in zip(args.config, rows))
-    lines += ["", f"Fashion-MNIST on the CPU; torch {rows[0][2]['torch_version']}; threads: "
-              f"{threads}; {args.rounds} round(s), each side in its own process, medians. "
+            f"| {fp['train_loss']} | {pp['train_loss']} | {fp['valid_loss']} | {pp['valid_loss']} "
+            f"| {fp['valid_acc']} | {pp['valid_acc']} |")
+    lines += ["", "Each process's medians (epoch: median and range over the rounds):", "",
+              "| config | process | epoch (s) | step (ms) | peak RSS (MiB) |",
+              "|---|---|---:|---:|---:|"]
+    for (cfg, f, ps, best), config in zip(rows, args.config):
+        for who, s in [("frugal", f)] + [(f"PyTorch {n}" + (" (best)" if n == best else ""), ps[n])
+                                         for n in names if n in ps]:
+            lines.append(f"| {Path(config).stem} | {who} | {cell(s)} "
+                         f"| {1e3 * s['step_seconds']:.2f} | {s['rss'] / MiB:.1f} |")
+    threads = "; ".join(f"{Path(n).name}: frugal {f['threads']}, PyTorch {ps[best]['threads']} "
+                        f"(its OpenBLAS {ps[best].get('blas_threads')})"
+                        for n, (_, f, ps, best) in zip(args.config, rows))
+    lb, la = (", ".join(f"{x:.2f}" for x in machine[k]) for k in ("load_before", "load_after"))
+    lines += ["", f"{machine['cpu']}, {machine['cores']} cores; load average (1, 5, 15 min) "
+              f"{lb} before the first round, {la} after the last"
+              + (f". **The machine was not idle** (1-minute load {machine['load_before'][0]:.2f} "
+                 "> 0.5 at the start): these times are not the README's"
+                 if machine["load_before"][0] > 0.5 else "") + ".", ""]
+    lines += [f"{args.rounds} round(s), each process on its own, the order (frugal, then PyTorch "
+              f"with {', '.join(n for n, _ in args.variants)}) reversed every other round; "
+              "each figure is the median over the rounds, the epoch's range (min-max) in "
+              "brackets." + (" **Fewer than 3 rounds: no spread worth the name**; the README's "
+                             "figures take 3 or more." if args.rounds < 3 else ""), ""]
+    lines += ["PyTorch at its best: each round runs the PyTorch child with glibc's malloc (no "
+              "preload) and with " + " and ".join(f"{n} (LD_PRELOAD={lib})"
+                                                   for n, lib in args.variants if lib)
+              + "; the variant with the lowest median epoch is its best, and the step, peak RSS "
+              "and frugal / PyTorch columns are against it."
+              + "".join(f" **{n} skipped**: {lib} is missing (`apt-get install "
+                        f"{'libjemalloc2' if n == 'jemalloc' else 'libtcmalloc-minimal4'}`, or "
+                        "`bash third_party/install-deps.sh --bench`)."
+                        for n, lib in args.skipped), ""]
+    lines += [notes["blas"], ""]
+    lines += ["Exactness: " + "; ".join(notes["exact"]) + "." + "".join(
+        f" **Warning: {w}.**" for w in notes["warnings"]), ""]
+    gpt = any(cfg["kind"] == "gpt" for cfg, *_ in rows)
+    lines += [f"On the CPU; torch {rows[0][2][rows[0][3]]['torch_version']}; intra-op threads "
+              f"(frugal puts OpenBLAS on the same count): {threads}. "
               "Epoch: the training epoch's wall time from its first batch to its last "
               "(gathering and normalizing the batches included; data loading, validation and "
               "start-up excluded; frugal's report.json fit.train_seconds / epochs). Step: the "
               "median time of one batch's forward, loss, backward and optimizer step after "
               "run.warmup batches (fit.step_seconds.median). Peak RSS: each child process's "
-              "ru_maxrss (runtime, libraries and both data splits included). Train loss: the "
-              "mean over the last epoch's batches; valid acc: on the validation samples after "
-              "training. Same initial weights, batches and optimizer on both sides."]
+              "ru_maxrss (runtime, libraries and the data included). Train loss: the mean over "
+              "the last epoch's batches; valid loss and acc: on the validation samples after "
+              "training" + (" (the gpt's: nats per byte and next-byte accuracy)" if gpt else "")
+              + ". Same initial weights, batches and optimizer on both sides."]
     return "\n".join(lines) + "\n"
+
+
+def blas_note(args, rows_runs):
+    """Both sides' BLAS kernels, as each process reported them, and the mode."""
+    fr = [r["blas"] for f_runs, _ in rows_runs for r in f_runs]
+    cores = sorted({r.get("blas_core") or "unknown" for _, p_runs in rows_runs
+                    for rs in p_runs.values() for r in rs})
+    passed = sorted({r["coretype"] for _, p_runs in rows_runs for rs in p_runs.values()
+                     for r in rs if r.get("coretype")})
+    if any(b is None for b in fr):
+        f_text = "frugal's BLAS core unknown (its report.json has no \"blas\": an older binary)"
+    else:
+        f_text = "frugal: " + ", ".join(sorted({
+            f"{b.get('library')} {b.get('core')}" + (f" (OpenBLAS chose {b.get('detected')}; "
+                                                     "frugal switched it)"
+                                                     if frugal_switched(b) else "")
+            for b in fr}))
+    p_text = "PyTorch: OpenBLAS " + "/".join(cores) if cores != ["unknown"] else \
+        "PyTorch: BLAS core unknown (not OpenBLAS, or openblas_get_corename unavailable)"
+    user = os.environ.get("OPENBLAS_CORETYPE")
+    if user:
+        mode = f"OPENBLAS_CORETYPE={user} set by the user for both sides"
+    elif args.pytorch_blas_as_found:
+        mode = ("--pytorch-blas-as-found: PyTorch on the kernels OpenBLAS chose by itself "
+                "(what frugal's choice is worth)")
+    elif passed:
+        mode = (f"PyTorch started with OPENBLAS_CORETYPE={'/'.join(passed)}, the kernels frugal "
+                "chose (the same BLAS kernels on both sides)")
+    elif any(b is None for b in fr):
+        mode = "frugal's core unknown, so PyTorch was given no OPENBLAS_CORETYPE"
+    else:
+        mode = "frugal kept OpenBLAS's own choice, so PyTorch was given no OPENBLAS_CORETYPE"
+    return f"BLAS: {f_text}; {p_text}. Mode: {mode}."
+
+
+def machine_info():
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return dict(cpu=cpu, cores=os.cpu_count(), load_before=os.getloadavg())
 
 
 def main():
@@ -278,7 +558,10 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key on both sides, as frugal's --set")
     ap.add_argument("--out", help="Markdown file for the table")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3; the spread needs 3)")
+    ap.add_argument("--pytorch-blas-as-found", action="store_true",
+                    help="do not start PyTorch on the OpenBLAS kernels frugal chose "
+                         "(OPENBLAS_CORETYPE): measures what frugal's choice is worth")
     ap.add_argument("--workdir", help="folder for the runs (default: a new temporary folder)")
     ap.add_argument("--worker", choices=["pytorch"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -286,31 +569,58 @@ def main():
     cfgs = [read_config(path, args.set) for path in args.config]
     if args.worker:
         return pytorch_worker(cfgs[0], args.result)
+    if args.rounds < 1:
+        sys.exit(f"--rounds {args.rounds}: at least 1 (3 or more for a spread)")
     if not args.frugal or not (os.path.isfile(args.frugal) and os.access(args.frugal, os.X_OK)):
         sys.exit(f"--frugal: no executable at {args.frugal!r} (build it first)")
     args.set_argv = [a for s in args.set for a in ("--set", s)]
+    args.variants = [(n, lib) for n, lib in ALLOCATORS if lib is None or os.path.isfile(lib)]
+    args.skipped = [(n, lib) for n, lib in ALLOCATORS if (n, lib) not in args.variants]
+    for n, lib in args.skipped:
+        print(f"side_by_side: {lib} is missing: PyTorch with {n} skipped", file=sys.stderr)
     workdir = args.workdir or tempfile.mkdtemp(prefix="side_by_side_")
-    rows = []
+    machine = machine_info()
+    if machine["load_before"][0] > 0.5:
+        print(f"side_by_side: warning: the 1-minute load is {machine['load_before'][0]:.2f} "
+              "(> 0.5): the machine is not idle, the times will say so", file=sys.stderr)
+    rows_runs = []
     for n, (config, cfg) in enumerate(zip(args.config, cfgs)):
         wd = Path(workdir, f"{n}-{Path(config).stem}")
         wd.mkdir(parents=True, exist_ok=True)
-        runs = {"frugal": [], "pytorch": []}
-        for k in range(args.rounds):  # the sides alternate which goes first
-            for side in ("frugal", "pytorch")[::1 if k % 2 == 0 else -1]:
-                run = run_frugal if side == "frugal" else run_pytorch
-                runs[side].append(run(args, config, wd))
-            f, p = runs["frugal"][-1], runs["pytorch"][-1]
-            print(f"{config} round {k + 1}: final train loss frugal {f['final_loss']:.6f}, "
-                  f"PyTorch {p['final_loss']:.6f}; epoch {f['train_seconds']:.2f} s / "
-                  f"{p['train_seconds']:.2f} s", file=sys.stderr)
-        med = {s: {**rs[0], **{k: statistics.median(r[k] for r in rs) for k in
-                               ("train_seconds", "step_seconds", "rss")}}
-               for s, rs in runs.items()}
-        rows.append((cfg, med["frugal"], med["pytorch"]))
-    text = table(args, rows)
+        f_runs, p_runs = [], {v: [] for v, _ in args.variants}
+        for k in range(args.rounds):  # the order reversed every other round
+            order = [("frugal", None)] + args.variants
+            for who, lib in order[::1 if k % 2 == 0 else -1]:
+                if who == "frugal":
+                    f_runs.append(run_frugal(args, config, wd))
+                    continue
+                blas = f_runs[-1]["blas"] if f_runs else None  # frugal went first in round 1
+                p_runs[who].append(run_pytorch(args, config, wd, who, lib, blas))
+            print(f"{config} round {k + 1}: final train loss frugal {f_runs[-1]['final_loss']:.6f}"
+                  + "".join(f", PyTorch {v} {rs[-1]['final_loss']:.6f}" for v, rs in p_runs.items())
+                  + f"; epoch {f_runs[-1]['train_seconds']:.2f} s" + "".join(
+                      f" / {rs[-1]['train_seconds']:.2f} s" for rs in p_runs.values()),
+                  file=sys.stderr)
+        rows_runs.append((f_runs, p_runs))
+    machine["load_after"] = os.getloadavg()
+    rows, notes, fails = [], dict(exact=[], warnings=[]), []
+    for config, cfg, (f_runs, p_runs) in zip(args.config, cfgs, rows_runs):
+        ps = {v: summary(cfg, rs) for v, rs in p_runs.items()}
+        best = min(ps, key=lambda v: ps[v]["epoch"])
+        rows.append((cfg, summary(cfg, f_runs), ps, best))
+        fl, wa, sentence = exactness(Path(config).stem, f_runs, p_runs)
+        fails += fl
+        notes["warnings"] += fl + wa
+        notes["exact"].append(sentence)
+    notes["blas"] = blas_note(args, rows_runs)
+    text = table(args, rows, machine, notes)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)
+    for w in notes["warnings"]:
+        print(f"side_by_side: warning: {w}", file=sys.stderr)
+    if fails:
+        sys.exit("side_by_side: an exactness check failed (the table says which)")
 
 
 if __name__ == "__main__":
