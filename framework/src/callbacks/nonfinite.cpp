@@ -12,14 +12,12 @@ namespace frugal {
 
 std::optional<std::string> first_nonfinite_gradient(const torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
-  const auto params = m.named_parameters();
-  // One pass over the gradients' bits (fused.h: no operation dispatched, nothing allocated, the
-  // intra-op threads sharing it): the optimizer's step reads them next, from the cache.
+  // One pass over the gradients' bits (fused.h: no operation dispatched, the intra-op threads
+  // sharing it): the optimizer's step reads them next, from the cache. Names only when needed.
   std::vector<torch::Tensor> grads;
-  grads.reserve(params.size());
-  for (const auto& p : params) grads.push_back(p.value().grad());
+  for (const auto& p : m.parameters()) grads.push_back(p.grad());
   if (all_finite(grads)) return std::nullopt;
-  for (const auto& p : params) {  // rare: find which one
+  for (const auto& p : m.named_parameters()) {  // rare: find which one
     const torch::Tensor& g = p.value().grad();
     if (g.defined() && !torch::isfinite(g).all().item<bool>()) return p.key();
   }

@@ -26,9 +26,10 @@ void RunOptions::visit(FieldVisitor& v) {
   v.field("out_dir", out_dir,
           outside_training("directory for the report, the resolved config and checkpoints"));
   v.field("threads", threads,
-          outside_training("intra-op CPU threads; auto = time the first batch's forward and "
-                           "backward with 1 thread and with LibTorch's default and keep the "
-                           "faster; 0 = LibTorch's default"),
+          outside_training("CPU threads: N = N intra-op (ATen) threads and 1 BLAS thread; "
+                           "auto = time the first training steps on 1 + 1, all cores + 1 and "
+                           "1 + all cores (ATen + BLAS) and keep the fastest; 0 = LibTorch's "
+                           "default"),
           at_least_or_auto(0));
   v.field("max_steps", max_steps,
           outside_training("stop the fit after this many batches; 0 = no limit"), at_least(0));
