@@ -329,7 +329,8 @@ def run_frugal(args, config, workdir):
     blas = report.get("blas")  # absent before frugal chose OpenBLAS's core: unknown
     return dict(train_seconds=fit["train_seconds"], step_seconds=fit["step_seconds"]["median"],
                 final_loss=fit["final_loss"], valid_accuracy=fit.get("valid_accuracy"),
-                valid_loss=fit.get("valid_loss"), threads=report.get("threads"), rss=rss,
+                valid_loss=fit.get("valid_loss"), threads=report.get("threads"),
+                blas_threads=report.get("blas_threads"), rss=rss,
                 blas=blas if isinstance(blas, dict) else None)
 
 
@@ -382,7 +383,9 @@ def describe(c):
 def summary(cfg, runs):
     """Medians over the rounds; the epoch's range (min-max) too."""
     epochs = [r["train_seconds"] / sum(cfg["stages"]) for r in runs]
-    threads = sorted({r["threads"] for r in runs}, key=str)  # frugal's auto may differ
+    # frugal's auto may differ between rounds: ATen threads, and "+ BLAS" where reported
+    threads = sorted({f"{r['threads']}" + (f" + BLAS {r['blas_threads']}" if r.get("blas_threads")
+                                            else "") for r in runs}, key=str)
     return dict(runs[0], epoch=statistics.median(epochs), lo=min(epochs), hi=max(epochs),
                 n=len(runs), threads="/".join(map(str, threads)),
                 **{k: statistics.median(r[k] for r in runs) for k in ("step_seconds", "rss")})
@@ -408,7 +411,8 @@ def exactness(name, f_runs, p_runs):
             f"{r.get('valid_loss')!r}, valid acc {r.get('valid_accuracy')!r}"
             for v, rs in p_runs.items() for i, r in enumerate(rs)))
     if not exact(f_runs):  # a failure unless run.threads = "auto" chose different counts
-        (fails if len({r["threads"] for r in f_runs}) == 1 else warns).append(
+        (fails if len({(r["threads"], r.get("blas_threads")) for r in f_runs}) == 1
+         else warns).append(
             f"{name}: frugal's rounds differ among themselves: train losses "
             + ", ".join(f"{r['final_loss']!r} ({r['threads']} thread(s))" for r in f_runs))
     f, p = f_runs[0], pt[0]
@@ -418,10 +422,11 @@ def exactness(name, f_runs, p_runs):
         warns.append(f"{name}: frugal and PyTorch differ in the printed digits (train loss "
                      f"{a['train_loss']} / {b['train_loss']}, valid loss {a['valid_loss']} / "
                      f"{b['valid_loss']}, valid acc {a['valid_acc']} / {b['valid_acc']}; frugal "
-                     f"on {f['threads']} thread(s) (OpenBLAS too), PyTorch on {p['threads']} "
+                     f"on {f['threads']} thread(s) (OpenBLAS on {f.get('blas_threads')}), PyTorch "
+                     f"on {p['threads']} "
                      f"(OpenBLAS on {p.get('blas_threads')}); OpenBLAS kernels "
                      f"{(f['blas'] or {}).get('core', 'unknown')} / {p.get('blas_core')}: "
-                     "OPENBLAS_NUM_THREADS=N with --set run.threads=N puts both on N)")
+                     "OPENBLAS_NUM_THREADS=1 with --set run.threads=1 puts both on one thread)")
     same = lambda rs: "bitwise equal" if exact(rs) else "NOT all equal (see the warnings)"
     return fails, warns, (
         f"{name}: PyTorch's {len(pt)} runs (all allocators and rounds) {same(pt)}, frugal's "
@@ -495,7 +500,7 @@ def table(args, rows, machine, notes):
         f" **Warning: {w}.**" for w in notes["warnings"]), ""]
     gpt = any(cfg["kind"] == "gpt" for cfg, *_ in rows)
     lines += [f"On the CPU; torch {rows[0][2][rows[0][3]]['torch_version']}; intra-op threads "
-              f"(frugal puts OpenBLAS on the same count): {threads}. "
+              f"(+ OpenBLAS's own threads): {threads}. "
               "Epoch: the training epoch's wall time from its first batch to its last "
               "(gathering and normalizing the batches included; data loading, validation and "
               "start-up excluded; frugal's report.json fit.train_seconds / epochs). Step: the "

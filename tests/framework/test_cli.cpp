@@ -37,6 +37,34 @@ TEST(Cli, TrainWritesReportResolvedConfigAndPrintsTheMemoryReport) {
   EXPECT_TRUE(std::filesystem::exists(out + "/report.md"));
 }
 
+TEST(Cli, OpenBlassGenericKernelsAreReplacedByTheCpusAndTheReportSaysSo) {
+  // Debian's OpenBLAS falls back to "Prescott" on a CPU it does not know; frugal switches to the
+  // kernels the CPU has, unless told to keep what OpenBLAS found.
+  TempDir dir;
+  const std::string out = dir.file("out"), kept = dir.file("kept");
+  write_text(dir.file("run.toml"), tiny_config(out));
+  auto r = run_cli("train " + dir.file("run.toml"), "env -u OPENBLAS_CORETYPE");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto report = nlohmann::json::parse(read_text(out + "/report.json"));
+  if (!report.contains("blas")) GTEST_SKIP() << "LibTorch's BLAS here is not OpenBLAS";
+  const auto& b = report["blas"];
+  EXPECT_EQ(b["library"], "OpenBLAS");
+  __builtin_cpu_init();
+  const bool better = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (b["detected"] != "Prescott" || !better) {
+    EXPECT_EQ(b["core"], b["detected"]) << "nothing to change: left as OpenBLAS chose";
+    return;
+  }
+  EXPECT_NE(b["core"], "Prescott");
+  EXPECT_NE(b["reason"].get<std::string>().find("OPENBLAS_CORETYPE="), std::string::npos);
+  EXPECT_NE(read_text(out + "/report.md").find("(chosen by frugal; it detected Prescott)"),
+            std::string::npos);
+  write_text(dir.file("kept.toml"), tiny_config(kept));
+  auto k = run_cli("train " + dir.file("kept.toml"), "env -u OPENBLAS_CORETYPE FRUGAL_BLAS_AS_FOUND=1");
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  EXPECT_EQ(nlohmann::json::parse(read_text(kept + "/report.json"))["blas"]["core"], "Prescott");
+}
+
 TEST(Cli, CheckReportsUnknownKeyWithLineAndExitCode2) {
   TempDir dir;
   write_text(dir.file("bad.toml"), "[data]\nbatchsize = 3\n");
