@@ -9,9 +9,11 @@
 #include <frugal/frugal.h>
 
 int main(int argc, char** argv) {
+  frugal::select_blas_core();       // first: OpenBLAS's kernels for a CPU it does not know
   frugal::MemoryMeter::install();  // count every tensor from here on
   torch::manual_seed(0);
-  torch::set_num_threads(2);
+  frugal::set_threads(2);  // 2 ATen threads, 1 BLAS thread: the two pools do not share cores
+
   frugal::DataOptions data;
   data.path = argc > 1 ? argv[1] : frugal::kFashionMnistDir;
   data.train_samples = argc > 2 ? std::stoll(argv[2]) : 0;     // 0 = all 60000
