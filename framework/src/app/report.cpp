@@ -139,12 +139,8 @@ void steady_table(std::ostringstream& md, const nlohmann::json& fit) {
     md << " |\n";
   }
 }
-}  // namespace
-
-std::string report_markdown(const nlohmann::json& r) {
-  std::ostringstream md;
-  const auto& fit = r["fit"];
-  md << "# frugal run report\n\n";
+// The report's first line: config, LibTorch, device, threads, BLAS kernels, auto's timings.
+void setup_line(std::ostream& md, const nlohmann::json& r) {
   md << "config `" << r.value("config_file", "") << "`, LibTorch " << r.value("libtorch_version", "")
      << ", device " << r.value("device", "") << ", " << r.value("threads", 0) << " threads";
   if (r.value("blas_threads", 0) > 0) md << " (BLAS " << r.value("blas_threads", 0) << ")";
@@ -164,6 +160,15 @@ std::string report_markdown(const nlohmann::json& r) {
          << " BLAS threads";
     md << ")";
   }
+}
+
+}  // namespace
+
+std::string report_markdown(const nlohmann::json& r) {
+  std::ostringstream md;
+  const auto& fit = r["fit"];
+  md << "# frugal run report\n\n";
+  setup_line(md, r);
   md << "\n\n";
   if (r.contains("error")) md << "**The run stopped with an error:** " << r["error"].get<std::string>() << "\n\n";
   if (r.contains("interrupted") && r["interrupted"].is_object()) {

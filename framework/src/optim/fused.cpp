@@ -272,6 +272,22 @@ bool no_amsgrad(const Options& o) {
   return !o.amsgrad();
 }
 
+// Adam's and AdamW's step (decoupled: AdamW's decay): LibTorch's own where the pass does not
+// apply, else the fused pass.
+template <class Base, class State, class GroupOptions>
+torch::Tensor fused_adam_step(Base& self, std::vector<torch::optim::OptimizerParamGroup>& groups,
+                              decltype(std::declval<torch::optim::Optimizer&>().state())& state,
+                              const torch::optim::Optimizer::LossClosure& closure, bool decoupled) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  if (!all_fusable<GroupOptions>(groups, no_amsgrad<GroupOptions>)) {
+    self.Base::step(nullptr);  // LibTorch's way
+    return loss;
+  }
+  run_adam(adam_work<State, GroupOptions>(groups, state, decoupled));
+  return loss;
+}
+
 bool sgd_ok(const torch::optim::SGDOptions& o) {
   return !(o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0));  // LibTorch refuses it
 }
@@ -279,27 +295,13 @@ bool sgd_ok(const torch::optim::SGDOptions& o) {
 }  // namespace
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  torch::Tensor loss = run_closure(closure);
-  if (!all_fusable<torch::optim::AdamOptions>(param_groups_, no_amsgrad)) {
-    torch::optim::Adam::step(nullptr);  // LibTorch's way
-    return loss;
-  }
-  run_adam(adam_work<torch::optim::AdamParamState, torch::optim::AdamOptions>(param_groups_,
-                                                                              state_, false));
-  return loss;
+  return fused_adam_step<torch::optim::Adam, torch::optim::AdamParamState,
+                         torch::optim::AdamOptions>(*this, param_groups_, state_, closure, false);
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  torch::Tensor loss = run_closure(closure);
-  if (!all_fusable<torch::optim::AdamWOptions>(param_groups_, no_amsgrad)) {
-    torch::optim::AdamW::step(nullptr);  // LibTorch's way
-    return loss;
-  }
-  run_adam(adam_work<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(param_groups_,
-                                                                                state_, true));
-  return loss;
+  return fused_adam_step<torch::optim::AdamW, torch::optim::AdamWParamState,
+                         torch::optim::AdamWOptions>(*this, param_groups_, state_, closure, true);
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
