@@ -35,4 +35,5 @@
 #include "frugal/memory/fit_stats.h"
 #include "frugal/memory/memory.h"
 #include "frugal/models/registry.h"
+#include "frugal/models/script.h"
 #include "frugal/optim/optimizers.h"

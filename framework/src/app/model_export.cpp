@@ -4,34 +4,101 @@
 #include <filesystem>
 #include <fstream>
 
+#include <spdlog/spdlog.h>
+
 #include "frugal/app/run.h"
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
 #include "frugal/io/file_writer.h"
 #include "frugal/io/safetensors.h"
 #include "frugal/models/registry.h"
+#include "frugal/models/script.h"
 #include "io/archive.h"
 
 namespace frugal {
 
 namespace fs = std::filesystem;
 
-ModelExport::ModelExport(std::string path, std::map<std::string, std::string> metadata)
-    : path_(std::move(path)), metadata_(std::move(metadata)) {}
+ModelExport::ModelExport(std::string path, std::map<std::string, std::string> metadata, nlohmann::json data)
+    : path_(std::move(path)), metadata_(std::move(metadata)), data_(std::move(data)) {}
 
-void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata) {
-  l.save(path, /*with_opt=*/false);
-  metadata.emplace("format", "pt");  // what safetensors.torch.load_file expects of PyTorch weights
-  safetensors::write(fs::path(path).replace_extension(".safetensors").string(),
-                     safetensors::state_dict(*l.model()), metadata);
+namespace {
+
+std::string doubles(const std::vector<double>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + ScriptWriter::number(v[i]);
+  return s + "]";
 }
 
-void ModelExport::after_fit(Learner& l) { export_weights(l, path_, metadata_); }
+/// `def prepare(self, x)`: raw inputs to what forward takes, as the data pipeline prepares them
+/// (data.json): pixel values 0-255 [B, C, H, W] at the model's image size to
+/// x / (255 std) - mean / std in float32; a CSV's feature columns [B, F] standardized with the
+/// training split's means and deviations in float64, then float32. Empty for tokens.
+std::string prepare_source(const nlohmann::json& data) {
+  if (!data.is_object()) return {};
+  const std::string head = "def prepare(self, x: Tensor) -> Tensor:\n";
+  if (data.contains("images")) {
+    const double mean = data["images"].value("mean", 0.0), sd = data["images"].value("std", 1.0);
+    return head + "    return x.float().mul(" + ScriptWriter::number(1.0 / (255.0 * sd)) + ").sub(" +
+           ScriptWriter::number(mean / sd) + ")\n";
+  }
+  if (data.contains("features")) {
+    const auto mean = data["features"].value("mean", std::vector<double>{});
+    const auto sd = data["features"].value("std", std::vector<double>{});
+    return head + "    mean = torch.tensor(" + doubles(mean) + ", dtype=7, device=x.device)\n" +
+           "    std = torch.tensor(" + doubles(sd) + ", dtype=7, device=x.device)\n" +
+           "    return ((x.double() - mean) / std).float()\n";
+  }
+  return {};
+}
+
+// (TorchScript compiled in C++ has no torch.float32 & co.: dtypes are their numbers, as in
+// the code PyTorch itself serializes: 4 long, 6 float32, 7 float64, 11 bool.)
+
+/// Defines model.pt's forward (and prepare) on the archive; a model with a module no emitter
+/// knows is still saved, without them, and the log says why (model.safetensors stays the way
+/// to its weights from Python).
+void define_forward(archive::OutputArchive& a, const torch::nn::Module& model, const nlohmann::json& data) {
+  const ScriptSource s = script_forward(model, "self.model");
+  std::string why = s.missing;
+  if (why.empty()) {
+    try {
+      archive::define_methods(a, s.code + prepare_source(data));
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  if (!why.empty())
+    spdlog::warn("model.pt is saved without a TorchScript forward (Python loads its weights, not a "
+                 "callable module): {}", why);
+}
+
+}  // namespace
+
+void export_model(const torch::nn::Module& model, const std::string& path,
+                  std::map<std::string, std::string> metadata, const nlohmann::json& data) {
+  archive::OutputArchive a;
+  archive::write_header(a);
+  archive::write_model(a, model);
+  define_forward(a, model, data);
+  archive::write_file(a, path);
+  metadata.emplace("format", "pt");  // what safetensors.torch.load_file expects of PyTorch weights
+  safetensors::write(fs::path(path).replace_extension(".safetensors").string(),
+                     safetensors::state_dict(model), metadata);
+}
+
+void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata,
+                    const nlohmann::json& data) {
+  export_model(*l.model(), path, std::move(metadata), data);
+}
+
+void ModelExport::after_fit(Learner& l) { export_weights(l, path_, metadata_, data_); }
 
 // ---------------------------------------------------------------- the best model
 
-SaveBest::SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata)
-    : monitor_(std::move(monitor)), path_(std::move(path)), metadata_(std::move(metadata)) {}
+SaveBest::SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata,
+                   nlohmann::json data)
+    : monitor_(std::move(monitor)), path_(std::move(path)), metadata_(std::move(metadata)), data_(std::move(data)) {}
 
 void SaveBest::before_fit(Learner& l) {
   monitor_.check(l.task(), "run.save_best");
@@ -60,7 +127,7 @@ void SaveBest::after_validate(Learner& l) {
   std::snprintf(value, sizeof value, "%.17g", v);
   metadata["frugal.best." + monitor_.metric()] = value;
   metadata["frugal.best.steps"] = std::to_string(l.steps());
-  export_weights(l, path_, metadata);
+  export_weights(l, path_, metadata, data_);
 }
 
 void SaveBest::save_state(torch::serialize::OutputArchive& a) const {

@@ -23,6 +23,7 @@
 #include "frugal/base/version.h"
 #include "frugal/config/config.h"
 #include "frugal/models/registry.h"
+#include "frugal/models/script.h"
 #include "frugal/optim/optimizers.h"
 #include "frugal_build_paths.h"  // generated: FRUGAL_PLUGIN_BUILD_DIR, FRUGAL_PLUGIN_INSTALL_DIR
 
@@ -255,6 +256,7 @@ PluginHost::~PluginHost() {
   for (const auto& lib : libraries_) {
     if (!lib->on_load_ran) continue;
     models().remove_owner(lib->name);
+    remove_scripts(lib->name);
     datasets().remove_owner(lib->name);
     losses().remove_owner(lib->name);
     optimizers().remove_owner(lib->name);

@@ -273,7 +273,8 @@ void add_safety_nets(const Config& c, Learner& l) {
   if (c.run.save_best != "off" && World::get().is_main())
     l.add_callback(std::make_shared<SaveBest>(
         monitor("run.save_best", c.run.save_best, 0.0), best_model_path(c.run),
-        std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
+        std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}},
+        run_data(c, l.train_data().dataset())));
   if (c.run.early_stopping != "off")
     l.add_callback(std::make_shared<EarlyStopping>(
         monitor("run.early_stopping", c.run.early_stopping, c.run.min_delta), c.run.patience));
@@ -364,7 +365,8 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
     learner->add_callback(std::make_shared<DataParallel>(c.distributed.bucket_size.bytes));
   if (world.is_main())  // rank 0 writes the run's files
     learner->add_callback(std::make_shared<ModelExport>(
-        model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}}));
+        model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}},
+        run_data(c, learner->train_data().dataset())));
   add_safety_nets(c, *learner);
   learner->set_warmup_batches(c.run.warmup);
   add_thread_tuner(c, *learner);

@@ -54,6 +54,11 @@ void write_callback_state(OutputArchive& a, const std::string& name, OutputArchi
 void write_loss_sum(OutputArchive& a, const torch::Tensor& sum);
 /// Writes the archive straight to a temp file beside `path` (a checkpoint is never buffered
 /// whole in memory), fsyncs and renames it over `path`; creates the folder.
+/// Compiles TorchScript `source` (one or more `def name(self, ...):`) as methods of the archive's
+/// own module, so the saved file is a module PyTorch calls (`torch.jit.load(path).forward(x)`);
+/// `self.model` is the model write_model wrote. Throws std::runtime_error with TorchScript's
+/// message when the source does not compile.
+void define_methods(OutputArchive& a, const std::string& source);
 void write_file(OutputArchive& a, const std::string& path);
 
 // ---- reading ----

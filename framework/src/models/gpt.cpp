@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "models/script_builtins.h"
+
 namespace frugal {
 namespace {
 
@@ -92,6 +94,41 @@ struct GptBlockImpl : nn::Module {
 };
 TORCH_MODULE(GptBlock);
 
+// ---- the TorchScript forms (script.h): the same operators, in eval mode --------------------
+// (dtypes by number, as TorchScript compiled in C++ knows no torch.long: 4 long, 11 bool)
+
+std::string embed_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
+  const auto& e = dynamic_cast<const EmbedImpl&>(m);
+  const auto pos = w.let("torch.arange(" + x + ".size(1), dtype=4, device=" + x + ".device)", "pos");
+  return w.let(w.call(*e.wte, at + ".wte", x) + " + " + w.call(*e.wpe, at + ".wpe", pos));
+}
+
+std::string attention_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
+  const auto& a = dynamic_cast<const CausalSelfAttentionImpl&>(m);
+  const int64_t width = a.c_proj->options.out_features(), d = width / a.heads;
+  const auto b = w.let(x + ".size(0)", "b"), t = w.let(x + ".size(1)", "t");
+  const auto qkv = w.let(w.call(*a.c_attn, at + ".c_attn", x) + ".reshape([" + b + ", " + t + ", 3, " +
+                         gpt_str(a.heads) + ", " + gpt_str(d) + "]).permute([2, 0, 3, 1, 4])");
+  const auto future = w.let("torch.ones([" + t + ", " + t + "], dtype=11, device=" + x + ".device).triu(1)");
+  const auto att = w.let("torch.softmax((torch.matmul(" + qkv + "[0], " + qkv + "[1].transpose(-2, -1)) * " +
+                         ScriptWriter::number(1.0 / std::sqrt(static_cast<double>(d))) + ").masked_fill(" +
+                         future + ", float(\"-inf\")), -1)");
+  const auto y = w.let("torch.matmul(" + att + ", " + qkv + "[2]).transpose(1, 2).reshape([" + b + ", " + t +
+                       ", " + gpt_str(width) + "])");
+  return w.call(*a.c_proj, at + ".c_proj", y);
+}
+
+std::string mlp_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
+  const auto& p = dynamic_cast<const MlpImpl&>(m);
+  return w.call(*p.c_proj, at + ".c_proj", w.call(*p.act, at + ".act", w.call(*p.c_fc, at + ".c_fc", x)));
+}
+
+std::string block_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
+  const auto& b = dynamic_cast<const GptBlockImpl&>(m);
+  const auto x1 = w.let(x + " + " + w.call(*b.attn, at + ".attn", w.call(*b.ln_1, at + ".ln_1", x)));
+  return w.let(x1 + " + " + w.call(*b.mlp, at + ".mlp", w.call(*b.ln_2, at + ".ln_2", x1)));
+}
+
 bool gpt_ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -118,6 +155,13 @@ void init_gpt(nn::Sequential& m, int64_t n_layer, uint64_t seed) {
 }
 
 }  // namespace
+
+void add_gpt_scripts(const ScriptAdder& add) {
+  add(typeid(EmbedImpl), embed_script);
+  add(typeid(CausalSelfAttentionImpl), attention_script);
+  add(typeid(MlpImpl), mlp_script);
+  add(typeid(GptBlockImpl), block_script);
+}
 
 nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
   if (in.block_size <= 0)

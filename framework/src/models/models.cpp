@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 #include "models/gpt.h"
+#include "models/script_builtins.h"
 
 namespace frugal {
 namespace {
@@ -252,6 +253,45 @@ nn::Sequential make_vit(const ModelOptions& o, const ModelInput& in) {
   return m;
 }
 
+// ---- their TorchScript forms (script.h): the same operators, in eval mode ----------------
+
+std::string basic_block_script(const nn::Module& m, const std::string& at, const std::string& x,
+                               ScriptWriter& w) {
+  const auto& b = dynamic_cast<const BasicBlockImpl&>(m);
+  auto y = w.call(*b.act1, at + ".act1", w.call(*b.bn1, at + ".bn1", w.call(*b.conv1, at + ".conv1", x)));
+  y = w.call(*b.bn2, at + ".bn2", w.call(*b.conv2, at + ".conv2", y));
+  const auto skip = b.shortcut ? w.call(*b.shortcut, at + ".shortcut", x) : x;
+  return w.call(*b.act2, at + ".act2", w.let(y + " + " + skip));
+}
+
+std::string patch_embed_script(const nn::Module& m, const std::string& at, const std::string& x,
+                               ScriptWriter& w) {
+  const auto& p = dynamic_cast<const PatchEmbedImpl&>(m);
+  return w.let(w.call(*p.proj, at + ".proj", x) + ".flatten(2).transpose(1, 2) + " + at + ".pos");
+}
+
+std::string transformer_block_script(const nn::Module& m, const std::string& at, const std::string& x,
+                                     ScriptWriter& w) {
+  const auto& b = dynamic_cast<const TransformerBlockImpl&>(m);
+  const int64_t width = b.ln1->options.normalized_shape().at(0), d = width / b.heads;
+  const auto B = w.let(x + ".size(0)", "b"), T = w.let(x + ".size(1)", "t");
+  const auto qkv = w.let(w.call(*b.qkv, at + ".qkv", w.call(*b.ln1, at + ".ln1", x)) + ".reshape([" + B + ", " +
+                         T + ", 3, " + str(b.heads) + ", " + str(d) + "]).permute([2, 0, 3, 1, 4])");
+  const auto att = w.let("torch.softmax(torch.matmul(" + qkv + "[0], " + qkv + "[1].transpose(-2, -1)) / " +
+                         ScriptWriter::number(std::sqrt(double(d))) + ", -1)");
+  const auto y = w.let("torch.matmul(" + att + ", " + qkv + "[2]).transpose(1, 2).reshape([" + B + ", " + T +
+                       ", " + str(width) + "])");
+  const auto x1 = w.let(x + " + " + w.call(*b.proj, at + ".proj", y));
+  const auto h = w.call(*b.fc1, at + ".fc1", w.call(*b.ln2, at + ".ln2", x1));
+  return w.let(x1 + " + " + w.call(*b.fc2, at + ".fc2", w.let("torch.gelu(" + h + ")")));
+}
+
+std::string token_head_script(const nn::Module& m, const std::string& at, const std::string& x,
+                              ScriptWriter& w) {
+  const auto& h = dynamic_cast<const TokenHeadImpl&>(m);
+  return w.call(*h.fc, at + ".fc", w.let(w.call(*h.ln, at + ".ln", x) + ".mean(1)"));
+}
+
 // ---- losses and datasets -------------------------------------------------------------------
 
 LossFn cross_entropy(const LossOptions& o) {
@@ -316,6 +356,13 @@ Dataset csv(const DataOptions& o, bool train) {
 }
 
 }  // namespace
+
+void add_model_scripts(const ScriptAdder& add) {
+  add(typeid(BasicBlockImpl), basic_block_script);
+  add(typeid(PatchEmbedImpl), patch_embed_script);
+  add(typeid(TransformerBlockImpl), transformer_block_script);
+  add(typeid(TokenHeadImpl), token_head_script);
+}
 
 Registry<ModelFactory>& models() {
   static Registry<ModelFactory> r("model");

@@ -2,7 +2,8 @@
 /// The trained model kept, as fastai's export: when a fit ends, its weights alone (no optimizer
 /// state, no callback state) go to <out_dir>/model.pt, written atomically beside the run's
 /// config.toml, and the same weights to <out_dir>/model.safetensors for use outside frugal
-/// (safetensors.h). `frugal generate` and `frugal evaluate` load a run folder with
+/// (safetensors.h). model.pt is a TorchScript module with a forward: in Python,
+/// `m = torch.jit.load("runs/x/model.pt"); m(m.prepare(images))`. `frugal generate` and `frugal evaluate` load a run folder with
 /// load_run_model.
 #include <map>
 #include <memory>
@@ -20,8 +21,10 @@ namespace frugal {
 
 class ModelExport : public Callback {
  public:
-  /// `path`: the model.pt to write; the .safetensors beside it gets `metadata`.
-  explicit ModelExport(std::string path, std::map<std::string, std::string> metadata = {});
+  /// `path`: the model.pt to write; the .safetensors beside it gets `metadata`. `data`: the
+  /// run's data.json (run_data), from which model.pt's `prepare` method is written.
+  explicit ModelExport(std::string path, std::map<std::string, std::string> metadata = {},
+                       nlohmann::json data = nullptr);
   std::string name() const override { return "model_export"; }
   int order() const override { return order::kModelExport; }
   /// Writes both files once the fit has ended without an error.
@@ -31,6 +34,7 @@ class ModelExport : public Callback {
  private:
   std::string path_;
   std::map<std::string, std::string> metadata_;
+  nlohmann::json data_;
 };
 
 /// run.save_best: after each validation inside the fit that improves on the best so far (by
@@ -39,7 +43,8 @@ class ModelExport : public Callback {
 /// leaves the previous best intact. Its record names the value, stage, epoch and steps.
 class SaveBest : public Callback {
  public:
-  SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata = {});
+  SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata = {},
+           nlohmann::json data = nullptr);
   std::string name() const override { return "save_best"; }
   int order() const override { return order::kBestModel; }
   /// Checks the metric against the Learner's task and that it validates, before any batch.
@@ -63,6 +68,7 @@ class SaveBest : public Callback {
   MetricMonitor monitor_;
   std::string path_;
   std::map<std::string, std::string> metadata_;
+  nlohmann::json data_;
   bool in_epoch_ = false, has_best_ = false;
   double best_ = 0;
   int64_t validations_ = 0;
@@ -71,7 +77,15 @@ class SaveBest : public Callback {
 
 /// Writes `l`'s weights to `path` (as Learner::save without the optimizer) and to the
 /// .safetensors beside it with `metadata`, both atomically: what ModelExport and SaveBest write.
-void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata);
+/// `path` is also a TorchScript module: `forward(x)`, the model in eval mode on prepared inputs
+/// (script.h), and for images or CSV features `prepare(x)`, raw inputs to prepared ones as
+/// `data` (run_data) says. A model with a module that has no TorchScript form is saved without
+/// them, with a warning.
+void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata,
+                    const nlohmann::json& data = nullptr);
+/// The same for a model outside a Learner.
+void export_model(const torch::nn::Module& model, const std::string& path,
+                  std::map<std::string, std::string> metadata, const nlohmann::json& data = nullptr);
 
 /// <out_dir>/model.pt: where a run keeps its trained model.
 std::string model_path(const RunOptions& r);
