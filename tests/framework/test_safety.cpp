@@ -18,6 +18,7 @@
 #include "frugal/frugal.h"
 #include "frugal/io/safetensors.h"
 #include "learner_fixture.h"
+#include "log_capture.h"
 #include "support.h"
 
 // Its own namespace: a unity build compiles this file with others whose helpers share names.
@@ -108,6 +109,28 @@ TEST(NonFinite, SkipModeSkipsAndCountsTheStepsAndParametersStayFinite) {
   EXPECT_EQ(check->record()["skipped_steps"].get<int64_t>(), 3);
   EXPECT_EQ(check->last()->batch, 2);  // the last skipped: iteration 6 = epoch 2, batch 3
   EXPECT_EQ(check->last()->epoch, 1);
+}
+
+// An epoch whose every step was skipped for a non-finite loss has no loss: the progress line
+// says "-", not a perfect 0.0000; an epoch with good batches shows their mean alone.
+TEST(NonFinite, AnEpochOfSkippedStepsShowsNoLossNotZero) {
+  auto l = make_tiny_learner();
+  l->add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Skip));
+  struct PoisonFirstEpoch : Callback {
+    std::string name() const override { return "poison_first_epoch"; }
+    void before_batch(Learner& l) override {
+      if (l.epoch() == 0) l.x() = l.x() * std::numeric_limits<float>::quiet_NaN();
+    }
+  };
+  l->add_callback(std::make_shared<PoisonFirstEpoch>());
+  LogCapture log;
+  l->add_callback(std::make_shared<ProgressCallback>(ProgressCallback::Mode::Log, 1000, spdlog::default_logger()));
+  l->fit(2);
+  EXPECT_TRUE(Has(log.text(), "epoch 1/2 loss - "));
+  EXPECT_EQ(log.text().find("loss 0.0000"), std::string::npos) << log.text();
+  EXPECT_EQ(log.text().find("nan"), std::string::npos) << log.text();
+  EXPECT_GT(l->epoch_losses(), 0);
+  EXPECT_TRUE(std::isfinite(l->epoch_loss()));
 }
 
 TEST(NonFinite, ALossPoisonedByTheInputIsNamedAsTheLoss) {

@@ -48,7 +48,10 @@ std::string ProgressCallback::line(Learner& l, bool final) const {
   std::ostringstream os;
   os << '[' << l.stage().name << "] epoch " << l.epoch() + 1 << '/' << l.stage().epochs;
   if (!final) os << " batch " << l.batch_index() + 1 << '/' << l.num_batches();
-  os << std::fixed << std::setprecision(4) << " loss " << l.epoch_loss() << std::setprecision(0)
+  // No loss yet (or every step so far skipped for a non-finite one): "-", not a perfect 0.0000.
+  os << std::fixed << std::setprecision(4) << " loss ";
+  if (l.epoch_losses() > 0) os << l.epoch_loss(); else os << '-';
+  os << std::setprecision(0)
      << ' ' << (secs > 0 ? samples_ / secs : 0.0) << " samples/s live "
      << format_bytes(l.memory().current()) << " peak " << format_bytes(l.memory().peak());
   if (final) {

@@ -203,8 +203,12 @@ class Learner {
   const std::vector<StageStats>& stage_stats() const { return stats_.stages(); }
   /// Bytes of the training and validation datasets, which stay in (host) memory for the fit.
   int64_t data_bytes() const;
-  /// Mean training loss of the batches since the epoch began (syncs the device).
+  /// Mean training loss of the batches since the epoch began (syncs the device); 0 when none
+  /// counted (see epoch_losses).
   double epoch_loss() const;
+  /// The batches in epoch_loss: those with a loss (a batch whose non-finite loss the check
+  /// skipped has none).
+  int64_t epoch_losses() const { return loss_count_; }
   /// The last validation's accuracy; -1 before any.
   double valid_accuracy() const { return valid_sums_.count ? valid_sums_.accuracy() : -1; }
   /// The last validation's sums (count 0 before any) and the task's metric of them.
