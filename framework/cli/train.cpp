@@ -387,6 +387,9 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   join_world(cfg, log);
   const World& world = World::get();
   auto learner = make_checked_learner(cfg, &StopRequest::process());
+  // The plugins' callbacks too: a conflict with a built-in one (step_in_backward and grad_clip)
+  // is refused before the folder is claimed.
+  for (auto& cb : loaded.callbacks) learner->add_callback(cb);
   if (StopRequest::process().requested() && !world.distributed()) {
     log->warn("stopped by {} before the run started: nothing was written",
               signal_name(StopRequest::process().signal()));
@@ -394,7 +397,6 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   }
   std::optional<RunLock> lock;
   const std::string checkpoint = claim_run_folder(a, loaded, *log, lock);
-  for (auto& cb : loaded.callbacks) learner->add_callback(cb);
   log->info("plugins: {}", joined(loaded.host->loaded()));
   if (!checkpoint.empty()) load_resume(*learner, checkpoint, *log);
   learner->add_callback(std::make_shared<ProgressCallback>(

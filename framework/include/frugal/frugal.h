@@ -14,6 +14,7 @@
 #include "frugal/base/version.h"
 #include "frugal/callbacks/checkpoint_writer.h"
 #include "frugal/callbacks/early_stopping.h"
+#include "frugal/callbacks/grad_clip.h"
 #include "frugal/callbacks/metrics_log.h"
 #include "frugal/callbacks/nonfinite.h"
 #include "frugal/callbacks/progress.h"

@@ -16,6 +16,7 @@
 #include "frugal/base/error.h"
 #include "frugal/callbacks/checkpoint_writer.h"
 #include "frugal/callbacks/early_stopping.h"
+#include "frugal/callbacks/grad_clip.h"
 #include "frugal/callbacks/metrics_log.h"
 #include "frugal/callbacks/nonfinite.h"
 #include "frugal/callbacks/schedule.h"
@@ -260,6 +261,12 @@ void add_history_callbacks(const Config& c, Learner& l) {
 // learner's task here, before any work.
 void add_safety_nets(const Config& c, Learner& l) {
   l.add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::parse_mode(c.run.on_nonfinite)));
+  // Gradient clipping, when [optimizer] or a stage's optimizer asks for it (the callback reads
+  // the stage's keys at each step).
+  bool clips = c.optimizer.clip_grad_norm > 0 || c.optimizer.clip_grad_value > 0;
+  for (const auto& s : c.stages)
+    clips = clips || (s.has_optimizer && (s.optimizer.clip_grad_norm > 0 || s.optimizer.clip_grad_value > 0));
+  if (clips) l.add_callback(std::make_shared<GradClip>());
   auto monitor = [&](const std::string& key, const std::string& metric, double min_delta) {
     return named(c, key, [&] {
       MetricMonitor m(metric, min_delta);
@@ -396,6 +403,7 @@ nlohmann::json safety_records(const Learner& l) {
   nlohmann::json out = nlohmann::json::object();
   for (const auto& cb : l.callbacks()) {
     if (const auto* n = dynamic_cast<const NonFiniteCheck*>(cb.get())) out["nonfinite"] = n->record();
+    if (const auto* g = dynamic_cast<const GradClip*>(cb.get())) out["grad_clip"] = g->record();
     if (const auto* e = dynamic_cast<const EarlyStopping*>(cb.get())) out["early_stopping"] = e->record();
     if (const auto* b = dynamic_cast<const SaveBest*>(cb.get()); b && b->has_best())
       out["best_model"] = b->record();

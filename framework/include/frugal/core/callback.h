@@ -49,6 +49,8 @@ class ForwardNext {
 ///                        callbacks, so they see gradients averaged across ranks
 ///   kNonFiniteCheck      checks the loss and gradients in before_step after every callback
 ///                        that may skip the step (batch grouping, precision)
+///   kGradientClip        clips the gradients in before_step once they are final: after the
+///                        sync, amp's unscaling and the non-finite check
 ///   kOutputRelease       first in after_*: swaps loss and prediction for detached tensors
 ///   kProgress            logs, after every callback in before_*, first in after_*
 namespace order {
@@ -68,6 +70,7 @@ inline constexpr int kPrecision = 50;
 inline constexpr int kInnermostForward = 100;
 inline constexpr int kGradientSync = 500;
 inline constexpr int kNonFiniteCheck = 900;
+inline constexpr int kGradientClip = 950;
 inline constexpr int kOutputRelease = 1000;
 inline constexpr int kProgress = 1100;
 }  // namespace order
