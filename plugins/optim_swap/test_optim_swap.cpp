@@ -222,7 +222,7 @@ TEST(OptimSwap, OptionErrorsNameTheKeys) {
                   "'plugins.optim_swap.at_stage' and 'plugins.optim_swap.at_epoch' are set"));
   EXPECT_TRUE(Has(err("[plugins.optim_swap]\nat_epoch = 1\nto = { name = \"sdg\" }\n"),
                   "cfg.toml:3:15: 'plugins.optim_swap.to.name' must be one of adafactor, adagrad, adam, "
-                  "adam8bit, adamw, rmsprop, sgd; got \"sdg\"; did you mean \"sgd\"?"));
+                  "adam8bit, adamw, adamw8bit, rmsprop, sgd; got \"sdg\"; did you mean \"sgd\"?"));
   EXPECT_TRUE(Has(err("[plugins.optim_swap]\nat_epoch = 1\nto = { lr = -1.0 }\n"),
                   "'plugins.optim_swap.to.lr' must be a number > 0, got -1.0"));
   EXPECT_TRUE(Has(err("[plugins.optim_swap]\nat_epoch = 1\nto = { lf = 0.1 }\n"),

@@ -127,6 +127,23 @@ TEST(ZeroCli, StagesOneAndTwoTrainAsPlainDataParallelWithAdamAndSgdMomentum) {
   }
 }
 
+// Stage 2 shards the gradients: the global norm for clipping sums each rank's share, and
+// adamw's decay on matrices only makes two parameter groups that each shard keeps, in order.
+TEST(ZeroCli, Stage2ClipsByTheGlobalNormAndKeepsTheDecayGroupsAsDataParallel) {
+  TempDir dir;
+  const std::string keys = " --set optimizer.weight_decay=0.1 --set optimizer.clip_grad_norm=0.05";
+  std::vector<std::string> outs;
+  for (const auto& [name, extra] : std::vector<std::pair<std::string, std::string>>{
+           {"dp", ""}, {"z2", kStage2}}) {
+    outs.push_back(dir.file(name));
+    const auto r = train2(dir, name, config(outs.back(), "adamw", extra), keys);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto report = nlohmann::json::parse(read_text(outs.back() + "/report.json"));
+    EXPECT_GT(report["grad_clip"]["scaled_steps"].get<int64_t>(), 0) << name << report["grad_clip"].dump();
+  }
+  EXPECT_LT(max_difference(outs[0], outs[1]), 1e-6);
+}
+
 // bf16 autocast and two batches per step (the reduce at the group's last batch only), together:
 // one pair of runs for both.
 TEST(ZeroCli, Stage2ComposesWithAmpBf16AndGradAccum) {

@@ -203,11 +203,12 @@ void Zero::shard_optimizer(frugal::Learner& l) {
   const frugal::OptimizerOptions o = l.optimizer_options();
   auto sharded = frugal::make_optimizer(o, mine);
   // The lr and momentum the schedule set for this batch, not the configured ones.
+  // Group by group: with decay on matrices only, both have the same two groups (make_optimizer).
   auto& groups = l.optimizer().param_groups();
-  if (!groups.empty() && !sharded->param_groups().empty()) {
-    const torch::optim::OptimizerOptions& from = groups[0].options();
-    const torch::optim::OptimizerOptions& to = sharded->param_groups()[0].options();
-    if (typeid(from) == typeid(to)) sharded->param_groups()[0].set_options(from.clone());
+  auto& to_groups = sharded->param_groups();
+  for (size_t g = 0; g < std::min(groups.size(), to_groups.size()); ++g) {
+    const torch::optim::OptimizerOptions& from = groups[g].options();
+    if (typeid(from) == typeid(to_groups[g].options())) to_groups[g].set_options(from.clone());
   }
   auto& old = l.optimizer().state();
   for (const auto& p : mine) {

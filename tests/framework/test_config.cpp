@@ -124,7 +124,7 @@ TEST(ConfigErrors, ChoiceErrorListsChoicesAndSuggests) {
             "cfg.toml:2:10: 'run.device' must be one of cpu, cuda, auto; got \"gpu\"; did you "
             "mean \"cpu\"?");
   EXPECT_EQ(config_error("[optimizer]\nname = \"lamb\"\n"),
-            "cfg.toml:2:8: 'optimizer.name' must be one of adafactor, adagrad, adam, adam8bit, adamw, rmsprop, sgd; "
+            "cfg.toml:2:8: 'optimizer.name' must be one of adafactor, adagrad, adam, adam8bit, adamw, adamw8bit, rmsprop, sgd; "
             "got \"lamb\"");
   EXPECT_EQ(config_error("[run]\nprogress = 1\n"),
             "cfg.toml:2:12: 'run.progress' must be one of auto, bar, log, none; got integer 1");

@@ -409,7 +409,7 @@ TEST_F(Optimizer, RejectsUnknownNamingAllowed) {
   auto msg = model_config_error([&] { make_optimizer(o, {torch::zeros({1}, torch::requires_grad())}); });
   EXPECT_NE(msg.find("unknown optimizer 'adma'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean 'adam'?"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("Available: adafactor, adagrad, adam, adam8bit, adamw, rmsprop, sgd"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Available: adafactor, adagrad, adam, adam8bit, adamw, adamw8bit, rmsprop, sgd"), std::string::npos) << msg;
 }
 
 }  // namespace

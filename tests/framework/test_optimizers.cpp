@@ -1,6 +1,7 @@
 // The optimizer registry: each built-in's state bytes and step needs (the numbers the Learner's
 // own switch gave before the registry), an entry registered as a plugin would (usable from
 // TOML, inherited by stages, round-tripped), per-optimizer keys and their errors.
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -66,8 +67,8 @@ void one_step(torch::nn::Linear& lin, torch::optim::Optimizer& opt) {
 
 TEST(OptimizerRegistry, BuiltinsAreRegisteredWithTheirKeys) {
   EXPECT_EQ(optimizers().names(),
-            (std::vector<std::string>{"adafactor", "adagrad", "adam", "adam8bit", "adamw", "rmsprop",
-                                      "sgd"}));
+            (std::vector<std::string>{"adafactor", "adagrad", "adam", "adam8bit", "adamw", "adamw8bit",
+                                      "rmsprop", "sgd"}));
   auto keys = [](const std::string& name) {
     std::vector<std::string> out;
     for (const auto& f : describe_optimizer_keys(name)) out.push_back(f["key"]);
@@ -135,16 +136,79 @@ TEST(OptimizerRegistry, StepNeedsOfEachBuiltinMatchTheFormerNumbers) {
   EXPECT_EQ(optimizer_step_needs(*frozen, *opt, plain(options("adam"))).temporaries, 96);
 }
 
+// ---- weight decay on matrices only ---------------------------------------------------------
+
+/// One step with zero gradients: Adam(W)'s update is 0, so only the decay moves a parameter.
+std::pair<bool, bool> decayed_after_a_silent_step(const OptimizerOptions& o) {
+  auto lin = tiny_linear();
+  const auto w = lin->weight.detach().clone(), b = lin->bias.detach().clone();
+  auto opt = make_optimizer(o, lin->parameters());
+  for (auto& p : lin->parameters()) p.mutable_grad() = torch::zeros_like(p);
+  opt->step();
+  return {!torch::equal(lin->weight.detach(), w), !torch::equal(lin->bias.detach(), b)};
+}
+
+TEST(WeightDecay, DecoupledDecaySparesBiasesAndNormsUnlessAskedAndAdamsL2DecaysAll) {
+  for (const std::string name : {"adamw", "adamw8bit"}) {
+    OptimizerOptions o = options(name);
+    o.weight_decay = 0.1;
+    EXPECT_EQ(decayed_after_a_silent_step(o), std::make_pair(true, false)) << name << " auto";
+    o.decay = "all";
+    EXPECT_EQ(decayed_after_a_silent_step(o), std::make_pair(true, true)) << name << " all";
+    o.decay = "matrices";
+    auto lin = tiny_linear();
+    auto opt = make_optimizer(o, lin->parameters());
+    ASSERT_EQ(opt->param_groups().size(), 2u);  // matrices with decay, then the rest without
+    EXPECT_EQ(opt->param_groups()[0].params().size(), 1u);
+    EXPECT_TRUE(opt->param_groups()[0].params()[0].is_same(lin->weight));
+    EXPECT_TRUE(opt->param_groups()[1].params()[0].is_same(lin->bias));
+  }
+  OptimizerOptions adam = options("adam");  // L2 in the gradient: "auto" is all
+  adam.weight_decay = 0.1;
+  EXPECT_EQ(decayed_after_a_silent_step(adam), std::make_pair(true, true));
+  adam.decay = "matrices";
+  EXPECT_EQ(decayed_after_a_silent_step(adam), std::make_pair(true, false));
+  OptimizerOptions none = options("adamw");  // no decay: one group, as before
+  EXPECT_EQ(make_optimizer(none, tiny_linear()->parameters())->param_groups().size(), 1u);
+}
+
+TEST(WeightDecay, TwoGroupsSaveAndLoadAndContinueBitwise) {
+  OptimizerOptions o = options("adamw");
+  o.weight_decay = 0.1;
+  auto a = tiny_linear();
+  auto opt = make_optimizer(o, a->parameters());
+  one_step(a, *opt);
+  torch::serialize::OutputArchive out;
+  opt->save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  auto b = tiny_linear();
+  {
+    torch::NoGradGuard g;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  auto reloaded = make_optimizer(o, b->parameters());
+  torch::serialize::InputArchive in;
+  std::istringstream read(bytes.str());
+  in.load_from(read);
+  reloaded->load(in);
+  opt->zero_grad();
+  one_step(a, *opt);
+  one_step(b, *reloaded);
+  EXPECT_TRUE(torch::equal(a->weight, b->weight));
+  EXPECT_TRUE(torch::equal(a->bias, b->bias));
+}
+
 TEST(OptimizerRegistry, UnknownNameListsTheRegisteredNames) {
   const std::string built = error_of([] {
     make_optimizer(options("adma"), {torch::zeros({1}, torch::requires_grad())});
   });
   EXPECT_EQ(built,
             "unknown optimizer 'adma'; did you mean 'adam'? Available: adafactor, adagrad, adam, "
-            "adam8bit, adamw, rmsprop, sgd");
+            "adam8bit, adamw, adamw8bit, rmsprop, sgd");
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"lamb\"\n"),
             "cfg.toml:2:8: 'optimizer.name' must be one of adafactor, adagrad, adam, adam8bit, "
-            "adamw, rmsprop, sgd; got \"lamb\"");
+            "adamw, adamw8bit, rmsprop, sgd; got \"lamb\"");
 }
 
 // ---- an entry registered as a plugin would ---------------------------------------------------
@@ -213,9 +277,9 @@ TEST_F(PluginOptimizer, ItsNameAndKeysAreReadFromToml) {
 TEST_F(PluginOptimizer, KeysOfOtherOptimizersAreRefusedNamingIt) {
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\nbeta1 = 0.9\n"),
             "cfg.toml:3:1: unknown key 'optimizer.beta1'. 'beta1' is a key of adafactor, adam, "
-            "adam8bit and adamw, "
+            "adam8bit, adamw and adamw8bit, "
             "not of optimizer \"test_nesterov\". Allowed keys in [optimizer]: name, lr, "
-            "weight_decay, momentum, warm_steps");
+            "weight_decay, decay, clip_grad_norm, clip_grad_value, momentum, warm_steps");
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\nmomentum = 1.5\n"),
             "cfg.toml:3:12: 'optimizer.momentum' must be a number in [0, 1], got 1.5");
 }
@@ -223,7 +287,7 @@ TEST_F(PluginOptimizer, KeysOfOtherOptimizersAreRefusedNamingIt) {
 TEST_F(PluginOptimizer, UnregisteredItIsUnknownAgain) {
   optimizers().remove_owner("test-plugin");
   const std::string msg = optimizer_config_error("[optimizer]\nname = \"test_nesterov\"\n");
-  EXPECT_NE(msg.find("must be one of adafactor, adagrad, adam, adam8bit, adamw, rmsprop, sgd"),
+  EXPECT_NE(msg.find("must be one of adafactor, adagrad, adam, adam8bit, adamw, adamw8bit, rmsprop, sgd"),
             std::string::npos)
       << msg;
 }
@@ -233,11 +297,11 @@ TEST_F(PluginOptimizer, UnregisteredItIsUnknownAgain) {
 TEST(OptimizerKeys, AKeyOfAnotherOptimizerIsAnErrorNamingTheOptimizerAndItsKeys) {
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"adam\"\nmomentum = 0.9\n"),
             "cfg.toml:3:1: unknown key 'optimizer.momentum'. 'momentum' is a key of rmsprop and "
-            "sgd, not of optimizer \"adam\". Allowed keys in [optimizer]: name, lr, weight_decay, "
+            "sgd, not of optimizer \"adam\". Allowed keys in [optimizer]: name, lr, weight_decay, decay, clip_grad_norm, clip_grad_value, "
             "beta1, beta2, eps, fused");
   EXPECT_EQ(optimizer_config_error("[optimizer]\nname = \"sgd\"\nbeta3 = 0.9\n"),
             "cfg.toml:3:1: unknown key 'optimizer.beta3'. Optimizer \"sgd\" has no such key. "
-            "Allowed keys in [optimizer]: name, lr, weight_decay, momentum, fused");
+            "Allowed keys in [optimizer]: name, lr, weight_decay, decay, clip_grad_norm, clip_grad_value, momentum, fused");
 }
 
 TEST(OptimizerKeys, SetOverridesAnOwnKey) {
@@ -248,7 +312,7 @@ TEST(OptimizerKeys, SetOverridesAnOwnKey) {
   EXPECT_EQ(optimizer_config_error("", {"optimizer.momentum=0.9"}),
             "--set optimizer.momentum=0.9: unknown key 'optimizer.momentum'. 'momentum' is a key "
             "of rmsprop and sgd, not of optimizer \"adam\". Allowed keys in [optimizer]: name, "
-            "lr, weight_decay, beta1, beta2, eps, fused");
+            "lr, weight_decay, decay, clip_grad_norm, clip_grad_value, beta1, beta2, eps, fused");
 }
 
 TEST(OptimizerKeys, AStageWithAnotherNameInheritsTheKeysItShares) {
@@ -266,7 +330,7 @@ TEST(OptimizerKeys, AStageWithAnotherNameInheritsTheKeysItShares) {
   const std::string msg = optimizer_config_error(
       "[[stages]]\nname = \"a\"\n[stages.optimizer]\nname = \"sgd\"\neps = 1e-6\n");
   EXPECT_EQ(msg.rfind("cfg.toml:5:1: unknown key 'stages.0.optimizer.eps'. 'eps' is a key of "
-                      "adagrad, adam, adam8bit, adamw and rmsprop, not of optimizer \"sgd\".", 0), 0u)
+                      "adagrad, adam, adam8bit, adamw, adamw8bit and rmsprop, not of optimizer \"sgd\".", 0), 0u)
       << msg;
 }
 

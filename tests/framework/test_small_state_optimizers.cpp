@@ -193,6 +193,27 @@ TEST(Adam8bit, UnderFourThousandElementsItIsTorchsAdamExactly) {
   EXPECT_TRUE(torch::equal(a.detach(), b.detach()));
 }
 
+// adamw8bit: AdamW's decoupled decay (the parameter shrinks by lr x weight_decay before the
+// update), not Adam's L2 term in the gradient: under 4096 elements, torch's AdamW exactly.
+TEST(Adam8bit, DecoupledIsTorchsAdamWExactlyAndNotAdam) {
+  torch::manual_seed(3);
+  torch::Tensor a = torch::randn({40, 50}).requires_grad_();
+  torch::Tensor b = a.detach().clone().requires_grad_(), c = a.detach().clone().requires_grad_();
+  std::vector<torch::Tensor> gs = {torch::randn({40, 50}), torch::randn({40, 50}), torch::randn({40, 50})};
+  OptimizerOptions o;
+  o.name = "adamw8bit";
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  auto mine = make_optimizer(o, {a});
+  torch::optim::AdamW adamw({b}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::Adam adam({c}, torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+  run(*mine, a, gs);
+  run(adamw, b, gs);
+  run(adam, c, gs);
+  EXPECT_TRUE(torch::equal(a.detach(), b.detach()));
+  EXPECT_FALSE(torch::allclose(a.detach(), c.detach(), 1e-5, 1e-6));
+}
+
 // ---- Adafactor against the paper's arithmetic ---------------------------------------------------
 
 struct AdafactorRef {

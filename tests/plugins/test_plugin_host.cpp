@@ -300,7 +300,7 @@ TEST(PluginHost, APluginsOptimizerIsNamedByTheConfigAndByOptimSwapsTarget) {
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("'optimizer.name' must be one of adafactor, adagrad, adam, adam8bit, "
-                                         "adamw, rmsprop, sgd; got \"fixture_sgd\""),
+                                         "adamw, adamw8bit, rmsprop, sgd; got \"fixture_sgd\""),
               std::string::npos)
         << e.what();
   }

@@ -112,6 +112,7 @@ void Adam8bitOptions::serialize(torch::serialize::OutputArchive& archive) const 
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled);
 }
 
 void Adam8bitOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -119,6 +120,8 @@ void Adam8bitOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  c10::IValue decoupled_value;  // absent in checkpoints written before adamw8bit: coupled
+  decoupled(archive.try_read("decoupled", decoupled_value) && decoupled_value.toBool());
 }
 
 void Adam8bitParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -207,7 +210,7 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
   const auto [beta1, beta2] = o.betas();
   const double bias_correction1 = 1 - std::pow(beta1, t);
   const double bias_correction2 = 1 - std::pow(beta2, t);
-  if (o.weight_decay() != 0) grad = grad.add(p, o.weight_decay());
+  if (o.weight_decay() != 0 && !o.decoupled()) grad = grad.add(p, o.weight_decay());
   m.mul_(beta1).add_(grad, 1 - beta1);
   v.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
   // Quantized before p changes: a failure here (out of memory) leaves p and its state as they
@@ -218,6 +221,7 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
     q2 = quant8::quantize(v, map2_, /*keep_positive=*/true);
   }
   const Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  if (o.weight_decay() != 0 && o.decoupled()) p.mul_(1 - o.lr() * o.weight_decay());  // as AdamW
   p.addcdiv_(m, denom, -o.lr() / bias_correction1);
   s.step(t);
   if (quantized) {

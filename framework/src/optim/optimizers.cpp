@@ -169,6 +169,7 @@ OptimizerFactory adamw() {
     const bool fused = o.own_as<FusedAdamKeys>().fused;  // decoupled decay: no gradient copy
     return StepNeeds{2 * p.total, step_temporaries(fused, p, 2 * p.largest)};
   };
+  f.decoupled_decay = true;
   return f;
 }
 
@@ -276,20 +277,22 @@ OptimizerFactory adafactor() {
   return f;
 }
 
-OptimizerFactory adam8bit() {
+/// 8-bit Adam; `decoupled`: AdamW's decay (adamw8bit).
+OptimizerFactory adam8bit(bool decoupled) {
   OptimizerFactory f;
   f.make_options = keys_of<AdamKeys>();
-  f.build = [](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
+  f.build = [decoupled](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
     const auto k = o.own_as<AdamKeys>();
     return std::make_unique<Adam8bit>(std::move(params),
                                       Adam8bitOptions(o.lr)
                                           .betas(std::make_tuple(k.beta1, k.beta2))
                                           .eps(k.eps)
-                                          .weight_decay(o.weight_decay));
+                                          .weight_decay(o.weight_decay)
+                                          .decoupled(decoupled));
   };
   f.state_bytes = state_bytes_of<Adam8bit, Adam8bitParamState>(
       [](const Adam8bitParamState& s) { return s.bytes(); });
-  f.step_needs = [](const OptimizerOptions& o, const TrainableBytes& p) {
+  f.step_needs = [decoupled](const OptimizerOptions& o, const TrainableBytes& p) {
     int64_t state = p.total / 2;  // 2 bytes per float32 parameter
     if (!p.shapes.empty()) {
       state = 0;
@@ -297,8 +300,9 @@ OptimizerFactory adam8bit() {
     }
     // the largest parameter's two moments dequantized, Adam's sqrt and division; quantizing
     // works in chunks of 65536 elements (about 40 bytes each: 2.5 MiB)
-    return StepNeeds{state, (4 + decay_copies(o)) * p.largest + (int64_t{5} << 19)};
+    return StepNeeds{state, (4 + (decoupled ? 0 : decay_copies(o))) * p.largest + (int64_t{5} << 19)};
   };
+  f.decoupled_decay = decoupled;
   return f;
 }
 
@@ -344,6 +348,17 @@ void OptimizerOptions::visit(FieldVisitor& v) {
   v.field("name", name, "optimizer; `frugal keys` lists the keys of each", optimizers().names());
   v.field("lr", lr, "learning rate", positive());
   v.field("weight_decay", weight_decay, "weight decay (decoupled for adamw)", at_least(0));
+  v.field("decay", decay,
+          "which parameters weight_decay applies to: \"matrices\" (2+ dimensions: not biases or "
+          "norms, nanoGPT's rule), \"all\", or \"auto\" (matrices for decoupled decay: adamw, "
+          "adamw8bit; all otherwise)", std::vector<std::string>{"auto", "matrices", "all"});
+  v.field("clip_grad_norm", clip_grad_norm,
+          "0 = off; else before each step the gradients are scaled so their global L2 norm is at "
+          "most this (torch.nn.utils.clip_grad_norm_), after grad_accum's last micro-batch, "
+          "amp's unscaling and data parallel's all-reduce", at_least(0));
+  v.field("clip_grad_value", clip_grad_value,
+          "0 = off; else each gradient element is clamped to [-v, v] before each step (before "
+          "clip_grad_norm)", at_least(0));
   // The optimizer's own keys, read from and written to the same table. An unknown name (one
   // whose plugin has gone) keeps `own` as it is.
   std::unique_ptr<Options> mine = own_options(name);
@@ -447,9 +462,11 @@ Registry<OptimizerFactory>& optimizers() {
     r.add("adafactor", adafactor(),
           "Adafactor: a factored second moment (rows + columns of each matrix), no first "
           "moment unless beta1 > 0, update clipping");
-    r.add("adam8bit", adam8bit(),
+    r.add("adam8bit", adam8bit(false),
           "8-bit Adam: both moments block-wise quantized to 1 byte (about 0.5x the "
-          "parameters; float32 for tensors under 4096 elements)");
+          "parameters; float32 for tensors under 4096 elements); weight_decay as Adam's (L2)");
+    r.add("adamw8bit", adam8bit(true),
+          "8-bit AdamW: adam8bit with AdamW's decoupled weight decay (bitsandbytes' AdamW8bit)");
     return true;
   }();
   (void)builtins;
@@ -471,12 +488,32 @@ TrainableBytes trainable_bytes(const torch::nn::Module& m) {
   return p;
 }
 
+bool decay_matrices_only(const OptimizerOptions& o) {
+  if (o.weight_decay <= 0 || o.decay == "all") return false;
+  if (o.decay == "matrices") return true;
+  return optimizers().contains(o.name) && optimizers().get(o.name).make.decoupled_decay;
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
                                                         std::vector<torch::Tensor> params) {
   const OptimizerFactory f = optimizers().get(o.name).make;
   if (!f.build) throw_config_error("optimizer '" + o.name + "' has no build function");
-  std::unique_ptr<torch::optim::Optimizer> opt = f.build(o, std::move(params));
-  if (!opt) throw_config_error("optimizer '" + o.name + "': its build function returned null");
+  const auto build = [&](const OptimizerOptions& with, std::vector<torch::Tensor> ps) {
+    std::unique_ptr<torch::optim::Optimizer> opt = f.build(with, std::move(ps));
+    if (!opt) throw_config_error("optimizer '" + o.name + "': its build function returned null");
+    return opt;
+  };
+  if (!decay_matrices_only(o)) return build(o, std::move(params));
+  // Two groups, always both (a zero shard may hold none of one kind): same options, the second
+  // without decay. The optimizer's own group type comes from building it once more.
+  std::vector<torch::Tensor> matrices, others;
+  for (auto& p : params) (p.dim() >= 2 ? matrices : others).push_back(std::move(p));
+  std::unique_ptr<torch::optim::Optimizer> opt = build(o, std::move(matrices));
+  OptimizerOptions no_decay = o;
+  no_decay.weight_decay = 0;
+  std::unique_ptr<torch::optim::Optimizer> spared = build(no_decay, std::move(others));
+  opt->add_param_group(spared->param_groups().front());
+  for (auto& kv : spared->state()) opt->state()[kv.first] = std::move(kv.second);  // Adagrad's
   return opt;
 }
 

@@ -142,6 +142,15 @@ struct OptimizerOptions : Options {
   std::string name = "adam";  ///< a registered optimizer (optimizers.h): adam, adamw, sgd, ...
   double lr = 1e-3;
   double weight_decay = 0.0;
+  /// Which parameters weight_decay applies to: "all", "matrices" (2 or more dimensions: no
+  /// decay on biases and norms, nanoGPT's rule) or "auto" (matrices for decoupled decay,
+  /// adamw and adamw8bit; all for Adam's and SGD's L2 term).
+  std::string decay = "auto";
+  /// Gradient clipping before each step (callbacks/grad_clip.h): the global L2 norm at most
+  /// this, as torch.nn.utils.clip_grad_norm_; 0 = off.
+  double clip_grad_norm = 0.0;
+  /// Each gradient element clamped to [-v, v] (clip_grad_value_), before the norm; 0 = off.
+  double clip_grad_value = 0.0;
   /// The optimizer's own keys that have a value; an absent key has the optimizer's default.
   /// visit() keeps it to the keys of `name`: after a change of name, a key the new optimizer
   /// also has keeps its value (a stage inherits [optimizer]'s), the others are dropped.

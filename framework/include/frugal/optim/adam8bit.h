@@ -6,7 +6,8 @@
 /// bitsandbytes' Adam8bit does. A step dequantizes a parameter's moments, runs Adam's update in
 /// float32 and quantizes them again. Parameters under 4096 elements keep float32 moments
 /// (bitsandbytes' min_8bit_size): there the step is exactly torch::optim::Adam's.
-/// Weight decay is Adam's (added to the gradient). Registered as "adam8bit" (optimizers.h).
+/// Weight decay is Adam's (added to the gradient) or, with `decoupled`, AdamW's. Registered as
+/// "adam8bit" and "adamw8bit" (optimizers.h).
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -45,6 +46,9 @@ struct Adam8bitOptions : public torch::optim::OptimizerCloneableOptions<Adam8bit
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);  ///< default (0.9, 0.999)
   TORCH_ARG(double, eps) = 1e-8;                            ///< default 1e-8
   TORCH_ARG(double, weight_decay) = 0;                      ///< default 0
+  /// AdamW's decoupled decay (p *= 1 - lr weight_decay before the update; "adamw8bit") instead
+  /// of Adam's L2 term added to the gradient.
+  TORCH_ARG(bool, decoupled) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;

@@ -79,18 +79,27 @@ struct OptimizerFactory {
   /// once it has stepped, and the step's temporaries. Null: state = p.total, temporaries =
   /// p.largest (twice that with weight decay).
   std::function<StepNeeds(const OptimizerOptions& o, const TrainableBytes& p)> step_needs;
+  /// Its weight_decay is decoupled (AdamW's: the parameter shrinks, the gradient is untouched):
+  /// then `decay = "auto"` decays only the matrices (nanoGPT's rule), not biases or norms.
+  bool decoupled_decay = false;
 };
 
 /// The registry: adam, adamw, sgd, rmsprop, adagrad, adafactor, adam8bit and what plugins add.
 Registry<OptimizerFactory>& optimizers();
 
 /// Builds the optimizer `o.name` names over `params`. Throws ConfigError for an unknown name
-/// (with the nearest and every registered name) or a value its keys refuse.
+/// (with the nearest and every registered name) or a value its keys refuse. With weight decay
+/// on matrices only (decay_matrices_only), two parameter groups, always both, in this order:
+/// the parameters of 2 or more dimensions with o.weight_decay, the others with none.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
                                                         std::vector<torch::Tensor> params);
 /// Bytes of the optimizer's state tensors, measured on the live optimizer by the entry whose
 /// optimizer it is; 0 for an optimizer no entry knows.
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
+/// True when `o` decays only parameters of 2 or more dimensions (weights of linear,
+/// convolution and embedding layers), not biases or normalization weights: decay = "matrices",
+/// or "auto" for an optimizer with decoupled decay; false without weight decay.
+bool decay_matrices_only(const OptimizerOptions& o);
 /// What the next step of `opt` over the trainable parameters of `m` still needs: the state its
 /// entry says it will hold, less the state it holds now, and the step's temporaries. From
 /// LibTorch's optimizer implementations; an estimate for an optimizer without step_needs.
