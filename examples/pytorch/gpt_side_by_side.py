@@ -33,7 +33,19 @@ def config_from(c):
                 n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                 dropout=model.get("dropout", 0.0), opt=opt.get("name", "adam"),
                 lr=opt.get("lr", 1e-3), weight_decay=opt.get("weight_decay", 0.0),
+                decay=opt.get("decay", "auto"),
                 betas=(opt.get("beta1", 0.9), opt.get("beta2", 0.999)), eps=opt.get("eps", 1e-8))
+
+
+def param_groups(model, c):
+    """frugal's [optimizer] decay: "matrices" ("auto" with adamw's decoupled decay) decays only
+    the parameters of 2 or more dimensions and keeps the others in a second group without decay
+    (nanoGPT's rule); "all" (and "auto" with adam) is one group."""
+    ps, wd = list(model.parameters()), c["weight_decay"]
+    if wd <= 0 or not (c["decay"] == "matrices" or (c["decay"] == "auto" and c["opt"] == "adamw")):
+        return [{"params": ps, "weight_decay": wd}]
+    return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def corpus(paths):
@@ -145,8 +157,7 @@ def train_pytorch(c, live_bytes=True):
     model = make_gpt(c["context"] or T, c["n_layer"], c["n_head"], c["n_embd"], c["dropout"])
     init_gpt(model, c["seed"], c["n_layer"])
     Opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[c["opt"]]
-    opt = Opt(model.parameters(), lr=c["lr"], betas=c["betas"], eps=c["eps"],
-              weight_decay=c["weight_decay"])
+    opt = Opt(param_groups(model, c), lr=c["lr"], betas=c["betas"], eps=c["eps"])
 
     def step(x, y):
         loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
