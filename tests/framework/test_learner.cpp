@@ -320,6 +320,38 @@ TEST(LearnerFit, TwoEpochsOnSyntheticDataLowerTheLoss) {
   EXPECT_GT(l->valid_accuracy(), 0.25);
 }
 
+// A stage whose [stages.optimizer] only lowers the learning rate keeps Adam's moments: the fit
+// equals one optimizer whose rate was changed between the stages. Another name (or key) builds a
+// new optimizer, whose state starts empty.
+TEST(LearnerStages, AStageThatOnlyChangesTheRateKeepsTheOptimizerAndItsState) {
+  TinySetup s = exact_setup(64, 16, 1e-2);
+  s.optimizer = "adam";
+  Stage slower = make_stage("slower", 1);
+  slower.has_optimizer = true;
+  auto staged = make_tiny_learner(s);
+  slower.optimizer = staged->optimizer_options();
+  slower.optimizer.lr = 5e-3;
+  const int64_t changes = staged->optimizer_changes();
+  staged->fit({make_stage("first", 1), slower});
+  EXPECT_EQ(staged->optimizer_changes(), changes);
+  EXPECT_EQ(staged->optimizer().param_groups()[0].options().get_lr(), 5e-3);
+
+  auto by_hand = make_tiny_learner(s);
+  by_hand->fit(1);
+  for (auto& g : by_hand->optimizer().param_groups()) g.options().set_lr(5e-3);
+  by_hand->fit(1);
+  EXPECT_TRUE(params_equal(*staged->model(), clone_params(*by_hand->model())));
+
+  Stage other = make_stage("sgd", 1);
+  other.has_optimizer = true;
+  other.optimizer = staged->optimizer_options();
+  other.optimizer.name = "sgd";
+  auto rebuilt = make_tiny_learner(s);
+  rebuilt->fit({make_stage("first", 1), other});
+  EXPECT_GT(rebuilt->optimizer_changes(), changes);
+  EXPECT_NE(dynamic_cast<torch::optim::SGD*>(&rebuilt->optimizer()), nullptr);
+}
+
 TEST(LearnerFreeze, FrozenPrefixDoesNotTrain) {
   auto l = make_tiny_learner();
   auto named = l->model()->named_parameters();

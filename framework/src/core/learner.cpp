@@ -144,6 +144,24 @@ void Learner::set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, Optimi
   ++optimizer_changes_;
 }
 
+namespace {
+/// The same optimizer but for its learning rate (and the keys read outside it: clipping): a
+/// stage that lowers the rate keeps the moments it has (as PyTorch users change a group's lr).
+bool same_but_lr(const OptimizerOptions& a, const OptimizerOptions& b) {
+  return a.name == b.name && a.weight_decay == b.weight_decay && a.decay == b.decay &&
+         a.own_keys() == b.own_keys();
+}
+}  // namespace
+
+void Learner::adopt_stage_optimizer(const OptimizerOptions& o) {
+  if (optimizer_ && same_but_lr(optimizer_options_, o)) {
+    for (auto& g : optimizer_->param_groups()) g.options().set_lr(o.lr);
+    optimizer_options_ = o;
+    return;
+  }
+  set_optimizer(o);
+}
+
 void Learner::set_optimizer(const OptimizerOptions& o) {
   live();
   optimizer_.reset();

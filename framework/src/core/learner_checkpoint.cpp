@@ -262,7 +262,7 @@ size_t Learner::prepare_resume() {
   // sets its own again in run_stage).
   for (size_t i = std::min(first + 1, stages_.size()); i-- > 0;) {
     if (stages_[i].has_optimizer) {
-      set_optimizer(stages_[i].optimizer);
+      adopt_stage_optimizer(stages_[i].optimizer);
       break;
     }
   }

@@ -152,7 +152,7 @@ void Learner::setup_stage(const Stage& s) {
   train_.set_image_size(s.image_size);
   train_.set_seq_len(s.seq_len);  // validation keeps whole windows: one score for every stage
   if (valid_) valid_->set_image_size(s.image_size);
-  if (s.has_optimizer) set_optimizer(s.optimizer);
+  if (s.has_optimizer) adopt_stage_optimizer(s.optimizer);
 }
 
 void Learner::run_stage(const Stage& s) {

@@ -76,6 +76,11 @@ class Learner {
   void set_optimizer(std::unique_ptr<torch::optim::Optimizer> opt, OptimizerOptions o);
   /// Builds a new optimizer from `o` over the model's parameters.
   void set_optimizer(const OptimizerOptions& o);
+  /// A stage's [stages.optimizer]: when it differs from the current one only in its learning
+  /// rate (or the clip keys, read outside the optimizer) the optimizer and its state stay and
+  /// every group takes the new rate; anything else (another name, decay or own key) builds a
+  /// new one, whose state starts empty (set_optimizer).
+  void adopt_stage_optimizer(const OptimizerOptions& o);
   /// How many times set_optimizer replaced the optimizer: a callback that must react to a new
   /// optimizer compares it (a new optimizer may reuse the old one's address).
   int64_t optimizer_changes() const { return optimizer_changes_; }
