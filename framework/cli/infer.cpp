@@ -3,10 +3,13 @@
 #include "infer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+
+#include <spdlog/spdlog.h>
 
 #include "frugal/app/model_export.h"
 #include "frugal/app/run.h"
@@ -28,6 +31,8 @@ CLI::App* add_generate_command(CLI::App& app, GenerateArgs& a) {
   cmd->add_option("--top-k", a.top_k, "sample among the k likeliest bytes; 0 = all")
       ->check(CLI::Range(int64_t{0}, int64_t{256}));
   cmd->add_option("--seed", a.seed, "the sampler's seed: the same seed, the same text");
+  cmd->add_flag("--no-kv-cache", a.no_kv_cache,
+                "compute the whole context for each byte (the keys and values are kept by default)");
   return cmd;
 }
 
@@ -59,8 +64,14 @@ int run_generate(const GenerateArgs& a) {
   const auto params = run.model->named_parameters();
   const torch::Tensor* wpe = params.find("embed.wpe.weight");
   o.block_size = wpe ? wpe->size(0) : c.data.block_size;
+  o.kv_cache = !a.no_kv_cache;
+  const auto start = std::chrono::steady_clock::now();
   const std::string text = generate_text(run.model, a.prompt, o);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::cout << a.prompt << text << std::endl;
+  spdlog::info("{} bytes in {:.2f} s ({:.0f} bytes/s, {})", text.size(), secs,
+               secs > 0 ? static_cast<double>(text.size()) / secs : 0.0,
+               o.kv_cache ? "keys and values cached" : "--no-kv-cache");
   return 0;
 }
 

@@ -17,6 +17,7 @@ struct GenerateArgs {
   double temperature = 0.8;
   int64_t top_k = 40;
   uint64_t seed = 0;
+  bool no_kv_cache = false;
 };
 
 struct EvaluateArgs {

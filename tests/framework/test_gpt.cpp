@@ -164,3 +164,33 @@ TEST(MaxSteps, ACapOnAnEpochsLastBatchValidatesThatEpochAndOneMidEpochDoesNot) {
 
 }  // namespace
 }  // namespace frugal::test
+
+namespace frugal::test {
+namespace {
+
+// The key-value cache computes one new position per byte from the kept keys and values: the
+// same logits to float rounding, so the same text, greedy or sampled, inside the block and once
+// the context slides past it (where the whole window is computed again).
+TEST(GptGenerate, TheKvCacheGivesTheSameTextAsTheWholeContext) {
+  TinyGpt s;
+  auto l = make_tiny_gpt_learner(s);
+  l->fit(1);  // logits far from flat
+  torch::nn::Sequential model = l->model();
+  for (double temperature : {0.0, 0.8}) {
+    SampleOptions o;
+    o.tokens = 3 * s.block_size;  // past the block: the window slides
+    o.temperature = temperature;
+    o.top_k = 0;
+    o.seed = 7;
+    o.block_size = s.block_size;
+    o.kv_cache = false;
+    const std::string plain = generate_text(model, "the ", o);
+    o.kv_cache = true;
+    const std::string cached = generate_text(model, "the ", o);
+    EXPECT_EQ(cached, plain) << "temperature " << temperature;
+    EXPECT_EQ(static_cast<int64_t>(cached.size()), o.tokens);
+  }
+}
+
+}  // namespace
+}  // namespace frugal::test

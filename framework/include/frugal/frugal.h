@@ -35,6 +35,7 @@
 #include "frugal/io/weights.h"
 #include "frugal/memory/fit_stats.h"
 #include "frugal/memory/memory.h"
+#include "frugal/models/generate.h"
 #include "frugal/models/registry.h"
 #include "frugal/models/script.h"
 #include "frugal/optim/optimizers.h"

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "models/gpt.h"
+
 namespace frugal {
 
 namespace {
@@ -41,12 +43,28 @@ std::string generate_text(torch::nn::Sequential& model, const std::string& promp
   std::vector<int64_t> tokens;
   for (unsigned char c : prompt.empty() ? std::string("\n") : prompt) tokens.push_back(c);
   std::string out;
+  // With the cache, each byte after the prompt is one new position; once the context no longer
+  // fits block_size its window slides, every position moves, and the whole window is computed
+  // again for each byte (as without the cache).
+  GptCache cache;
+  bool cached = o.kv_cache;
+  const auto ids = [&](size_t from) {
+    return torch::tensor(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(from), tokens.end()),
+                         torch::kLong)
+        .view({1, -1})
+        .to(device);
+  };
   for (int64_t i = 0; i < o.tokens; ++i) {
     const int64_t n = std::min<int64_t>(o.block_size, static_cast<int64_t>(tokens.size()));
-    const torch::Tensor ctx =
-        torch::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), torch::kLong)
-            .view({1, n}).to(device);
-    const torch::Tensor logits = model->forward(ctx).index({0, -1}).to(torch::kCPU, torch::kFloat);
+    torch::Tensor logits;
+    if (cached && static_cast<int64_t>(tokens.size()) <= o.block_size) {
+      if (auto l = gpt_forward_cached(model, ids(static_cast<size_t>(cache.length)), cache))
+        logits = l->index({0, -1});
+      else
+        cached = false;  // not the zoo's gpt: the plain forward
+    }
+    if (!logits.defined()) logits = model->forward(ids(tokens.size() - static_cast<size_t>(n))).index({0, -1});
+    logits = logits.to(torch::kCPU, torch::kFloat);
     const int64_t b = next_byte(logits, o, gen);
     tokens.push_back(b);
     out.push_back(static_cast<char>(static_cast<unsigned char>(b)));

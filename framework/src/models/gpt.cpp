@@ -163,6 +163,52 @@ void add_gpt_scripts(const ScriptAdder& add) {
   add(typeid(GptBlockImpl), block_script);
 }
 
+namespace {
+/// One block's attention over the cached keys and values and the new positions' own.
+torch::Tensor attention_cached(CausalSelfAttentionImpl& a, const torch::Tensor& x, torch::Tensor& k_cache,
+                               torch::Tensor& v_cache, int64_t past) {
+  const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / a.heads;
+  auto qkv = a.c_attn(x).reshape({b, t, 3, a.heads, d}).permute({2, 0, 3, 1, 4});
+  auto q = qkv[0];
+  k_cache = k_cache.defined() ? torch::cat({k_cache, qkv[1]}, 2) : qkv[1].contiguous();
+  v_cache = v_cache.defined() ? torch::cat({v_cache, qkv[2]}, 2) : qkv[2].contiguous();
+  auto att = torch::matmul(q, k_cache.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+  // New position j (absolute past + j) sees the keys up to past + j.
+  auto future = torch::ones({t, past + t}, x.options().dtype(torch::kBool)).triu(past + 1);
+  att = torch::softmax(att.masked_fill(future, -INFINITY), -1);
+  return a.c_proj(torch::matmul(att, v_cache).transpose(1, 2).reshape({b, t, w}));
+}
+}  // namespace
+
+std::optional<torch::Tensor> gpt_forward_cached(nn::Sequential& model, const torch::Tensor& tokens,
+                                                GptCache& cache) {
+  if (model->size() < 3) return std::nullopt;
+  auto* embed = dynamic_cast<EmbedImpl*>(model->ptr(0).get());
+  if (!embed) return std::nullopt;
+  torch::NoGradGuard g;
+  const int64_t past = cache.length, t = tokens.size(1);
+  auto pos = torch::arange(past, past + t, tokens.options().dtype(torch::kLong));
+  torch::Tensor x = embed->wte(tokens) + embed->wpe(pos);
+  size_t block = 0;
+  for (size_t i = 1; i < model->size(); ++i) {
+    const std::shared_ptr<nn::Module> m = model->ptr(i);
+    if (auto* b = dynamic_cast<GptBlockImpl*>(m.get())) {
+      if (cache.k.size() <= block) cache.k.resize(block + 1), cache.v.resize(block + 1);
+      x = x + attention_cached(*b->attn, b->ln_1(x), cache.k[block], cache.v[block], past);
+      x = x + b->mlp(b->ln_2(x));
+      ++block;
+    } else if (auto* n = dynamic_cast<nn::LayerNormImpl*>(m.get())) {
+      x = n->forward(x);
+    } else if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get())) {
+      x = l->forward(x);
+    } else {
+      return std::nullopt;  // not make_gpt's layout (a plugin changed it)
+    }
+  }
+  cache.length = past + t;
+  return x;
+}
+
 nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
   if (in.block_size <= 0)
     throw_config_error("model 'gpt' takes text: set data.dataset = \"text\" (tokens, not images)");

@@ -1,5 +1,8 @@
 #pragma once
 // The built-in decoder-only transformer (registered as model "gpt" in models.cpp).
+#include <optional>
+#include <vector>
+
 #include <torch/torch.h>
 
 #include "frugal/models/registry.h"
@@ -13,5 +16,19 @@ namespace frugal {
 /// 0, c_proj weights N(0, 0.02 / sqrt(2 n_layer)) (GPT-2's residual scaling), the others
 /// N(0, 0.02); the same draws as torch.Generator().manual_seed(seed) in Python.
 torch::nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in);
+
+/// The keys and values a gpt computed for a context, per block ([B, heads, length, head size]),
+/// so generation computes one new position per byte instead of the whole context again.
+struct GptCache {
+  std::vector<torch::Tensor> k, v;
+  int64_t length = 0;
+};
+
+/// The logits [B, T, vocabulary] of `tokens` [B, T] as the continuation of the context `cache`
+/// holds (positions cache.length ..), their keys and values appended to it: the same as the
+/// plain forward of the whole sequence at those positions, in eval mode. nullopt when `model`
+/// is not make_gpt's. The caller keeps cache.length + T <= block_size.
+std::optional<torch::Tensor> gpt_forward_cached(torch::nn::Sequential& model, const torch::Tensor& tokens,
+                                                GptCache& cache);
 
 }  // namespace frugal

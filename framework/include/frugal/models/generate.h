@@ -13,6 +13,9 @@ struct SampleOptions {
   int64_t top_k = 40;         ///< sample among the k most likely bytes; 0 = all
   uint64_t seed = 0;          ///< the sampler's own generator: the same seed, the same text
   int64_t block_size = 256;   ///< the longest context the model takes (its position table)
+  /// The zoo's gpt keeps its keys and values (GptCache): one new position per byte while the
+  /// context fits block_size, instead of the whole context; the same logits to float rounding.
+  bool kv_cache = true;
 };
 
 /// Continues `prompt` (bytes; an empty prompt starts from "\n") by `o.tokens` bytes drawn one at
