@@ -30,6 +30,9 @@ CLI::App* add_generate_command(CLI::App& app, GenerateArgs& a) {
       ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--top-k", a.top_k, "sample among the k likeliest bytes; 0 = all")
       ->check(CLI::Range(int64_t{0}, int64_t{256}));
+  cmd->add_option("--top-p", a.top_p, "sample among the likeliest bytes holding this share of the probability; 1 = all")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--stop", a.stop, "end the sample before this text (repeat for several)");
   cmd->add_option("--seed", a.seed, "the sampler's seed: the same seed, the same text");
   cmd->add_flag("--no-kv-cache", a.no_kv_cache,
                 "compute the whole context for each byte (the keys and values are kept by default)");
@@ -65,6 +68,8 @@ int run_generate(const GenerateArgs& a) {
   const torch::Tensor* wpe = params.find("embed.wpe.weight");
   o.block_size = wpe ? wpe->size(0) : c.data.block_size;
   o.kv_cache = !a.no_kv_cache;
+  o.top_p = a.top_p;
+  o.stop = a.stop;
   const auto start = std::chrono::steady_clock::now();
   const std::string text = generate_text(run.model, a.prompt, o);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -18,6 +18,8 @@ struct GenerateArgs {
   int64_t top_k = 40;
   uint64_t seed = 0;
   bool no_kv_cache = false;
+  double top_p = 1.0;
+  std::vector<std::string> stop;
 };
 
 struct EvaluateArgs {

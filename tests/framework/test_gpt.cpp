@@ -192,5 +192,32 @@ TEST(GptGenerate, TheKvCacheGivesTheSameTextAsTheWholeContext) {
   }
 }
 
+// top_p keeps the likeliest bytes holding that share of the probability (the first always):
+// a tiny share is the greedy sample. A stop string ends the sample before its first occurrence.
+TEST(GptGenerate, TopPAndStopStrings) {
+  TinyGpt s;
+  auto l = make_tiny_gpt_learner(s);
+  l->fit(1);
+  torch::nn::Sequential model = l->model();
+  SampleOptions o;
+  o.tokens = 2 * s.block_size;
+  o.block_size = s.block_size;
+  o.top_k = 0;
+  o.temperature = 0;
+  const std::string greedy = generate_text(model, "the ", o);
+  o.temperature = 1.0;
+  o.top_p = 1e-6;
+  EXPECT_EQ(generate_text(model, "the ", o), greedy);
+  o.top_p = 1.0;
+  o.seed = 5;
+  const std::string sampled = generate_text(model, "the ", o);
+  EXPECT_NE(sampled, greedy) << "the sampler never left the likeliest byte";
+  const std::string stop = sampled.substr(sampled.size() / 2, 2);
+  o.stop = {stop};
+  EXPECT_EQ(generate_text(model, "the ", o), sampled.substr(0, sampled.find(stop)));
+  o.top_p = 0;
+  EXPECT_THROW(generate_text(model, "the ", o), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace frugal::test

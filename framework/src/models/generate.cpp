@@ -16,6 +16,9 @@ void check(const SampleOptions& o) {
   if (o.tokens < 0) throw std::invalid_argument("tokens must be >= 0");
   if (!(o.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0");
   if (o.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
+  if (!(o.top_p > 0 && o.top_p <= 1)) throw std::invalid_argument("top_p must be in (0, 1]");
+  for (const auto& s : o.stop)
+    if (s.empty()) throw std::invalid_argument("a stop string must not be empty");
   if (o.block_size < 1) throw std::invalid_argument("block_size must be >= 1");
 }
 
@@ -26,6 +29,13 @@ int64_t next_byte(torch::Tensor logits, const SampleOptions& o, at::Generator& g
   if (o.top_k > 0 && o.top_k < logits.size(0)) {
     const torch::Tensor kth = std::get<0>(logits.topk(o.top_k)).index({-1});
     logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+  }
+  if (o.top_p < 1) {  // the smallest set of likeliest bytes holding top_p of the probability
+    const auto sorted = torch::softmax(logits, 0).sort(0, /*descending=*/true);
+    const torch::Tensor& p = std::get<0>(sorted);
+    const torch::Tensor outside = (p.cumsum(0) - p) >= o.top_p;  // the mass before it is enough
+    logits = logits.index_fill(0, std::get<1>(sorted).masked_select(outside),
+                               -std::numeric_limits<float>::infinity());
   }
   return at::multinomial(torch::softmax(logits, 0), 1, false, gen).item<int64_t>();
 }
@@ -68,6 +78,9 @@ std::string generate_text(torch::nn::Sequential& model, const std::string& promp
     const int64_t b = next_byte(logits, o, gen);
     tokens.push_back(b);
     out.push_back(static_cast<char>(static_cast<unsigned char>(b)));
+    for (const auto& stop : o.stop)
+      if (out.size() >= stop.size() && out.compare(out.size() - stop.size(), stop.size(), stop) == 0)
+        return out.substr(0, out.size() - stop.size());
   }
   return out;
 }
