@@ -129,13 +129,14 @@ nlohmann::json all_keys() {
   frugal::DataOptions data;
   frugal::ModelOptions model;
   frugal::OptimizerOptions optimizer;
+  frugal::ScheduleOptions schedule;
   frugal::LossOptions loss;
   frugal::StageOptions stage;
   frugal::AblationOptions ablation;
   frugal::DistributedOptions distributed;
   std::vector<std::pair<std::string, frugal::Options*>> sections = {
       {"run", &run}, {"data", &data}, {"model", &model}, {"optimizer", &optimizer},
-      {"loss", &loss}, {"[stages]", &stage}, {"ablation", &ablation},
+      {"schedule", &schedule}, {"loss", &loss}, {"[stages]", &stage}, {"ablation", &ablation},
       {"distributed", &distributed}};
   nlohmann::json all = nlohmann::json::object();
   for (auto& [name, o] : sections) all[name] = frugal::describe_options(*o);
@@ -178,7 +179,7 @@ int run_keys(bool json) {
     return 0;
   }
   for (const char* section :
-       {"run", "data", "model", "optimizer", "loss", "[stages]", "ablation", "distributed"}) {
+       {"run", "data", "model", "optimizer", "schedule", "loss", "[stages]", "ablation", "distributed"}) {
     print_key_table("[" + std::string(section) + "]", all[section]);
     if (std::string(section) != "optimizer") continue;
     for (const auto& [name, o] : all["optimizers"].items()) {

@@ -66,7 +66,7 @@ TEST(ConfigErrors, UnknownTopLevelTableIsNamedWithAllowedTables) {
   const std::string msg = config_error("[run]\nseed = 1\n[datta]\nbatch_size = 4\n");
   EXPECT_EQ(msg,
             "cfg.toml:3:2: unknown key 'datta'; did you mean 'data'? Allowed top-level tables: "
-            "run, data, model, optimizer, loss, stages, plugins, ablation, distributed");
+            "run, data, model, optimizer, schedule, loss, stages, plugins, ablation, distributed");
 }
 
 TEST(ConfigErrors, UnknownKeyInStageOptimizerNamesFullPath) {

@@ -193,6 +193,38 @@ TEST(Schedule, TheLearnerStepsWithTheStagesScheduleOverItsBatches) {
   }
 }
 
+// span = "fit": one warmup and one cosine over every stage's batches, not a restart per stage.
+TEST(Schedule, AFitSpanningScheduleIsOneCurveAcrossTheStages) {
+  auto l = make_tiny_learner(history_setup());  // adam, lr 1e-2, 4 batches an epoch
+  auto probe = std::make_shared<LrProbe>();
+  l->add_callback(std::make_shared<ScheduleCallback>());
+  l->add_callback(probe);
+  ScheduleOptions cosine = schedule_named("cosine");
+  cosine.warmup_steps = 3;
+  cosine.span = "fit";
+  Stage first = make_stage("first", 1), second = make_stage("second", 2);  // 4 + 8 batches
+  first.schedule = second.schedule = cosine;
+  l->fit(std::vector<Stage>{first, second});
+  ASSERT_EQ(probe->lrs.size(), 12u);
+  for (int64_t i = 0; i < 12; ++i) EXPECT_DOUBLE_EQ(probe->lrs[i], schedule_lr(cosine, 1e-2, i, 12)) << i;
+  EXPECT_GT(probe->lrs[3], probe->lrs[4]);  // past the warmup, falling on across the boundary
+  EXPECT_GT(probe->lrs[4], probe->lrs[5]);
+}
+
+TEST(Schedule, StagesInheritTheTopLevelScheduleAndOverrideItsKeys) {
+  const Config c = parse_config(
+      "[schedule]\nname = \"cosine\"\nwarmup_steps = 5\nspan = \"fit\"\n"
+      "[[stages]]\nname = \"a\"\n[[stages]]\nname = \"b\"\n[stages.schedule]\nwarmup_steps = 0\n",
+      "cfg.toml");
+  ASSERT_EQ(c.stages.size(), 2u);
+  EXPECT_EQ(c.stages[0].schedule.name, "cosine");
+  EXPECT_EQ(c.stages[0].schedule.span, "fit");
+  EXPECT_EQ(c.stages[0].schedule.warmup_steps, 5);
+  EXPECT_EQ(c.stages[1].schedule.name, "cosine");
+  EXPECT_EQ(c.stages[1].schedule.warmup_steps, 0);
+  EXPECT_NE(c.to_toml().find("[schedule]"), std::string::npos);
+}
+
 TEST(Schedule, AResumedFitContinuesTheScheduleExactly) {
   TempDir dir;
   Stage cos = make_stage("cos", 3);  // 12 batches

@@ -49,6 +49,10 @@ void ScheduleOptions::visit(FieldVisitor& v) {
   v.field("step_size", step_size, "step: batches between two decays (required for step)",
           at_least(0));
   v.field("gamma", gamma, "step: the factor each decay multiplies lr by", positive());
+  v.field("span", span,
+          "the batches the curve runs over: \"stage\" (restarts at each stage) or \"fit\" (every "
+          "stage's batches as one curve: set it in [schedule], which stages inherit)",
+          {"stage", "fit"});
 }
 
 void ScheduleOptions::check() const {
@@ -137,8 +141,18 @@ void ScheduleCallback::before_stage(Learner& l) {
 void ScheduleCallback::before_batch(Learner& l) {
   const ScheduleOptions& s = l.stage().schedule;
   if (s.name == "constant") return;
-  const int64_t n = l.stage().epochs * l.num_batches();
-  const int64_t i = l.epoch() * l.num_batches() + l.batch_index();
+  // span = "fit": the epochs of every stage, this one's place among them (each epoch counted
+  // with this stage's batches: stages that resize images or shorten windows keep the count).
+  int64_t epochs = l.stage().epochs, before = 0;
+  if (s.span == "fit") {
+    epochs = 0;
+    for (size_t k = 0; k < l.stages().size(); ++k) {
+      epochs += l.stages()[k].epochs;
+      if (static_cast<int64_t>(k) < l.stage_index()) before += l.stages()[k].epochs;
+    }
+  }
+  const int64_t n = epochs * l.num_batches();
+  const int64_t i = (before + l.epoch()) * l.num_batches() + l.batch_index();
   set_learning_rate(l.optimizer(), schedule_lr(s, l.optimizer_options().lr, i, n));
   if (auto m = schedule_momentum(s, i, n); m && !set_momentum(l.optimizer(), *m) && !warned_momentum_) {
     warned_momentum_ = true;

@@ -143,8 +143,8 @@ void apply_override(toml::table& root, const std::string& assignment) {
 
 // ---- The top level. ----
 
-const std::vector<std::string> kSections = {"run",    "data",    "model",   "optimizer",  "loss",
-                                            "stages", "plugins", "ablation", "distributed"};
+const std::vector<std::string> kSections = {"run",    "data",     "model",    "optimizer",  "schedule",
+                                            "loss",   "stages",   "plugins",  "ablation",   "distributed"};
 
 void read_section(const toml::table& root, const char* name, Options& o,
                   const std::string& source) {
@@ -165,6 +165,7 @@ void read_stages(const toml::table& root, Config& c) {
   if (!n) {
     c.stages.emplace_back();
     c.stages.back().optimizer = c.optimizer;
+    c.stages.back().schedule = c.schedule;
     return;
   }
   const auto* a = n->as_array();
@@ -178,6 +179,7 @@ void read_stages(const toml::table& root, Config& c) {
     const std::string where = "stages." + std::to_string(i);
     StageOptions s;
     s.optimizer = c.optimizer;  // [optimizer] is the base of the stage's own table
+    s.schedule = c.schedule;    // and [schedule] of its [stages.schedule]
     read_options(t, s, where, c.source);
     const toml::node* name_node = t.get("name");
     const std::string loc = name_node ? location(*name_node, c.source) : location(t, c.source);
@@ -280,6 +282,7 @@ Config parse_config(const std::string& text, const std::string& source,
   read_section(root, "data", c.data, source);
   read_section(root, "model", c.model, source);
   read_section(root, "optimizer", c.optimizer, source);
+  read_section(root, "schedule", c.schedule, source);
   read_section(root, "loss", c.loss, source);
   read_stages(root, c);
   check_task_loss(c);
@@ -306,6 +309,7 @@ std::string Config::to_toml() const {
   root.insert_or_assign("data", detail::write_fields(c.data));
   root.insert_or_assign("model", detail::write_fields(c.model));
   root.insert_or_assign("optimizer", detail::write_fields(c.optimizer));
+  root.insert_or_assign("schedule", detail::write_fields(c.schedule));
   root.insert_or_assign("loss", detail::write_fields(c.loss));
   toml::array stage_tables;
   for (auto& s : c.stages) stage_tables.push_back(detail::write_fields(s));
@@ -345,6 +349,7 @@ std::vector<std::string> Config::keys_outside_training() const {
   add(c.data, "data");
   add(c.model, "model");
   add(c.optimizer, "optimizer");
+  add(c.schedule, "schedule");
   add(c.loss, "loss");
   for (size_t i = 0; i < c.stages.size(); ++i) add(c.stages[i], "stages." + std::to_string(i));
   add(c.distributed, "distributed");

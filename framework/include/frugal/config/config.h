@@ -19,6 +19,9 @@ struct Config {
   DataOptions data;
   ModelOptions model;
   OptimizerOptions optimizer;
+  /// [schedule]: every stage's schedule unless its [stages.schedule] says otherwise; with
+  /// span = "fit" one curve over the whole fit.
+  ScheduleOptions schedule;
   LossOptions loss;
   std::vector<StageOptions> stages;  ///< at least one
   DistributedOptions distributed;    ///< how ranks talk in a data-parallel run

@@ -211,6 +211,9 @@ struct ScheduleOptions : Options {
   double mom_min = 0.85;          ///< one_cycle: momentum at the peak learning rate
   int64_t step_size = 0;          ///< step: batches between decays; must be set
   double gamma = 0.1;             ///< step: factor of each decay
+  /// What the curve runs over: "stage" (its own batches, restarting at each stage) or "fit"
+  /// (every stage's batches as one curve: warmup once, the cosine down to the fit's end).
+  std::string span = "stage";
   void visit(FieldVisitor& v) override;
   void check() const override;
 };
@@ -224,7 +227,7 @@ struct StageOptions : Options {
   int64_t seq_len = 0;              ///< text: tokens per training window; 0 = data.block_size
   OptimizerOptions optimizer;       ///< inherits [optimizer]; used when has_optimizer
   bool has_optimizer = false;       ///< the stage has its own [stages.optimizer] table
-  ScheduleOptions schedule;         ///< [stages.schedule]; default constant
+  ScheduleOptions schedule;         ///< [stages.schedule]; keys it omits inherit [schedule]
   void visit(FieldVisitor& v) override;
   void check() const override;
 };
