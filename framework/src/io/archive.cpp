@@ -1,8 +1,6 @@
 #include "io/archive.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/csrc/jit/frontend/resolver.h>
-#include <torch/csrc/jit/frontend/sugared_value.h>
 
 #include <cmath>
 #include <cstring>
@@ -182,20 +180,6 @@ void read_rank_optimizer(InputArchive& a, int rank, InputArchive& out, const tor
 
 void write_callback_state(OutputArchive& a, const std::string& name, OutputArchive& state) {
   a.write("callbacks." + name, state);
-}
-
-void define_methods(OutputArchive& a, const std::string& source) {
-  // The archive's module is the class "__torch__.Module" of its own compilation unit (nested
-  // archives get mangled names); the methods are defined on that class, as Module::define does.
-  const auto cu = a.compilation_unit();
-  const auto cls = cu->get_class(c10::QualifiedName("__torch__.Module"));
-  if (!cls) throw std::runtime_error("the archive has no module class to define methods on");
-  const torch::jit::SimpleSelf self(cls);
-  try {
-    cu->define(cls->name(), source, torch::jit::nativeResolver(), &self);
-  } catch (const std::exception& e) {
-    throw std::runtime_error(std::string(e.what()) + "\n" + source);
-  }
 }
 
 void write_loss_sum(OutputArchive& a, const torch::Tensor& sum) { a.write("loss_sum", sum); }
