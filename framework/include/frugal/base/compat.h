@@ -64,6 +64,25 @@ inline at::ScalarType autocast_dtype(c10::DeviceType device) {
 #endif
 }
 
+/// Autocast off for a device type while it lives, back as it was after: for a kernel that picks
+/// its own dtypes (its backward, run outside autocast, must recompute what its forward did).
+class AutocastOff {
+ public:
+  explicit AutocastOff(c10::DeviceType d) : device_(d), was_(autocast_enabled(d)), dtype_(autocast_dtype(d)) {
+    if (was_) set_autocast(d, false, dtype_);
+  }
+  ~AutocastOff() {
+    if (was_) set_autocast(device_, true, dtype_);
+  }
+  AutocastOff(const AutocastOff&) = delete;
+  AutocastOff& operator=(const AutocastOff&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool was_;
+  at::ScalarType dtype_;
+};
+
 /// Drops autocast's cast cache (weights cast to low precision).
 inline void clear_autocast_cache() { at::autocast::clear_cache(); }
 

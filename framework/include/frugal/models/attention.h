@@ -1,0 +1,58 @@
+#pragma once
+/// Causal self-attention kernels: the plain one (the B x H x T x T probabilities in memory) and a
+/// memory-efficient one (FlashAttention's algorithm in LibTorch operators: queries in chunks, keys
+/// in chunks with an online softmax, backward by recomputing each chunk's probabilities), and the
+/// interface through which a plugin switches a model's attention modules from one to the other.
+#include <cstdint>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace frugal {
+
+/// How an attention module computes softmax(q kᵀ / sqrt(D) + causal mask) v.
+struct AttentionKernel {
+  /// 0: the plain kernel. Otherwise queries are taken `query_chunk` rows at a time and keys
+  /// `key_chunk` columns at a time: the probabilities in memory at once are B x H x
+  /// query_chunk x key_chunk, in the forward and the backward alike.
+  int64_t query_chunk = 0;
+  int64_t key_chunk = 0;
+  bool chunked() const { return query_chunk > 0; }
+};
+
+/// q, k, v [B, H, T, D] -> [B, H, T, D]: position i attends to keys 0..i; dropout `p` on the
+/// probabilities when `training`. The plain kernel keeps the B x H x T x T probabilities for
+/// backward (and its masked scores while it computes them).
+torch::Tensor plain_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     double p, bool training);
+
+/// The same result from chunks (equal to the plain kernel to ~1e-6 in float; not bitwise: the
+/// sums run in another order), differentiable in q, k and v. Saves only q, k, v, the output and
+/// one log-sum-exp per row; backward recomputes each chunk's probabilities. Dropout draws a
+/// mask per chunk from a seed drawn from LibTorch's default CPU generator at the forward and
+/// replays it in the backward (so the masks differ from the plain kernel's draws; with p = 0
+/// the two kernels agree). Chunk sizes past T are clamped.
+torch::Tensor chunked_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                       int64_t query_chunk, int64_t key_chunk, double p, bool training);
+
+/// `kernel.chunked()` ? chunked_causal_attention : plain_causal_attention.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const AttentionKernel& kernel, double p, bool training);
+
+/// A module that computes attention through an AttentionKernel it lets others set (the gpt's
+/// attention does; so can a plugin's or a user's model: derive from it beside torch::nn::Module).
+class AttentionModule {
+ public:
+  virtual ~AttentionModule() = default;
+  AttentionKernel& attention_kernel() { return kernel_; }
+  const AttentionKernel& attention_kernel() const { return kernel_; }
+
+ protected:
+  AttentionKernel kernel_;
+};
+
+/// Sets `kernel` on every AttentionModule in `model`'s tree (the model itself included);
+/// returns how many there were.
+int64_t set_attention_kernel(torch::nn::Module& model, const AttentionKernel& kernel);
+
+}  // namespace frugal
