@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "frugal/models/attention.h"
+#include "frugal/models/lm_head.h"
 #include "models/script_builtins.h"
 
 namespace frugal {
@@ -38,7 +40,7 @@ struct EmbedImpl : nn::Module {
 TORCH_MODULE(Embed);
 
 /// Multi-head causal self-attention written with matmuls (the same in LibTorch 1.13 and 2.x).
-struct CausalSelfAttentionImpl : nn::Module {
+struct CausalSelfAttentionImpl : nn::Module, AttentionModule {
   CausalSelfAttentionImpl(int64_t width, int64_t n_head, double dropout)
       : heads(n_head),
         p(dropout),
@@ -47,11 +49,8 @@ struct CausalSelfAttentionImpl : nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
     auto qkv = c_attn(x).reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4});
-    auto q = qkv[0], k = qkv[1], v = qkv[2];  // [B, H, T, D]
-    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-    auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
-    att = drop(torch::softmax(att.masked_fill(future, -INFINITY), -1), p, is_training());
-    auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, w});
+    // q, k, v [B, H, T, D]; the kernel a plugin may have set (chunked_attention)
+    auto y = causal_attention(qkv[0], qkv[1], qkv[2], kernel_, p, is_training()).transpose(1, 2).reshape({b, t, w});
     return drop(c_proj(y), p, is_training());
   }
   int64_t heads;
@@ -118,6 +117,10 @@ std::string attention_script(const nn::Module& m, const std::string& at, const s
   return w.call(*a.c_proj, at + ".c_proj", y);
 }
 
+std::string head_script(const nn::Module&, const std::string& at, const std::string& x, ScriptWriter& w) {
+  return w.let("torch.matmul(" + x + ", " + at + ".weight.t())");
+}
+
 std::string mlp_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
   const auto& p = dynamic_cast<const MlpImpl&>(m);
   return w.call(*p.c_proj, at + ".c_proj", w.call(*p.act, at + ".act", w.call(*p.c_fc, at + ".c_fc", x)));
@@ -161,6 +164,7 @@ void add_gpt_scripts(const ScriptAdder& add) {
   add(typeid(CausalSelfAttentionImpl), attention_script);
   add(typeid(MlpImpl), mlp_script);
   add(typeid(GptBlockImpl), block_script);
+  add(typeid(LmHeadImpl), head_script);
 }
 
 namespace {
@@ -199,8 +203,8 @@ std::optional<torch::Tensor> gpt_forward_cached(nn::Sequential& model, const tor
       ++block;
     } else if (auto* n = dynamic_cast<nn::LayerNormImpl*>(m.get())) {
       x = n->forward(x);
-    } else if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get())) {
-      x = l->forward(x);
+    } else if (auto* h = dynamic_cast<LmHeadImpl*>(m.get())) {
+      x = torch::matmul(x, h->weight.t());
     } else {
       return std::nullopt;  // not make_gpt's layout (a plugin changed it)
     }
@@ -225,7 +229,7 @@ nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
   for (int64_t i = 0; i < o.n_layer; ++i)
     m->push_back("block" + gpt_str(i), GptBlock(o.n_embd, o.n_head, o.dropout));
   m->push_back("ln_f", nn::LayerNorm(nn::LayerNormOptions({o.n_embd})));
-  m->push_back("head", nn::Linear(nn::LinearOptions(o.n_embd, in.num_classes).bias(false)));
+  m->push_back("head", LmHead(o.n_embd, in.num_classes));
   init_gpt(m, o.n_layer, in.seed);
   return m;
 }
