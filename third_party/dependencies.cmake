@@ -16,6 +16,11 @@ find_path(FRUGAL_STB_INCLUDE_DIR stb/stb_image.h stb/stb_image_resize.h)
 if(NOT FRUGAL_STB_INCLUDE_DIR)
   message(FATAL_ERROR "stb_image.h not found: install Debian's libstb-dev (third_party/install-deps.sh)")
 endif()
+# Subword tokenizers (data/tokenizer.cpp): SentencePiece trains and reads .model files; ICU's
+# character classes split text as GPT-2's byte-level BPE does (\p{L}, \p{N}).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET sentencepiece)
+find_package(ICU REQUIRED COMPONENTS uc)
 if(FRUGAL_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

@@ -14,6 +14,8 @@ pkgs=(
   libgloo-dev             # Gloo headers: c10d's ProcessGroupGloo (data-parallel training)
   libboost-dev            # Boost.DLL, header-only (BOOST_DLL_USE_STD_FS)
   libtomlplusplus-dev libspdlog-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev
+  libsentencepiece-dev libicu-dev  # subword tokenizers: SentencePiece, GPT-2's BPE (ICU's classes)
+  python3-regex           # the tokenizer test's GPT-2 reference (Python's \p{L})
   libstb-dev              # stb_image and stb_image_resize, header-only: image_folder's PNG/JPEG
   gnuplot-nox             # plots in reports; optional at run time
   clang-14 libclang-rt-14-dev  # the asan preset: sanitizers with libFuzzer's coverage (fuzz/)

@@ -25,15 +25,17 @@ CLI::App* add_generate_command(CLI::App& app, GenerateArgs& a) {
   auto* cmd = app.add_subcommand("generate", "sample text from a trained language model's run folder");
   cmd->add_option("run_dir", a.run_dir, "the run's folder (its config.toml and model.pt)")->required();
   cmd->add_option("--prompt", a.prompt, "text the sample continues (default: a new line)");
-  cmd->add_option("--tokens", a.tokens, "bytes to generate")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  cmd->add_option("--temperature", a.temperature, "divides the logits; 0 = always the likeliest byte")
+  cmd->add_option("--tokens", a.tokens, "tokens to generate (bytes, for a byte-level model)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--temperature", a.temperature, "divides the logits; 0 = always the likeliest token")
       ->check(CLI::Range(0.0, 100.0));
-  cmd->add_option("--top-k", a.top_k, "sample among the k likeliest bytes; 0 = all")
-      ->check(CLI::Range(int64_t{0}, int64_t{256}));
-  cmd->add_option("--top-p", a.top_p, "sample among the likeliest bytes holding this share of the probability; 1 = all")
+  cmd->add_option("--top-k", a.top_k, "sample among the k likeliest tokens; 0 = all")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  cmd->add_option("--top-p", a.top_p, "sample among the likeliest tokens holding this share of the probability; 1 = all")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--stop", a.stop, "end the sample before this text (repeat for several)");
   cmd->add_option("--seed", a.seed, "the sampler's seed: the same seed, the same text");
+  cmd->add_option("--samples", a.samples, "continuations drawn at once, as one batch (printed one after another)")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_flag("--no-kv-cache", a.no_kv_cache,
                 "compute the whole context for each byte (the keys and values are kept by default)");
   return cmd;
@@ -47,6 +49,9 @@ CLI::App* add_evaluate_command(CLI::App& app, EvaluateArgs& a) {
   cmd->add_option("--batch-size", a.batch_size, "batch size; 0 = the config's data.valid_batch_size")
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", a.json, "print the result as JSON");
+  cmd->add_option("--data", a.data,
+                  "score this instead of the validation split: a text file or folder (every window), an "
+                  "image folder (image_folder) or a CSV file (csv), prepared as training prepared its data");
   return cmd;
 }
 
@@ -70,13 +75,37 @@ int run_generate(const GenerateArgs& a) {
   o.kv_cache = !a.no_kv_cache;
   o.top_p = a.top_p;
   o.stop = a.stop;
+  o.samples = a.samples;
+  // The run's tokenizer (data.json; bytes when it names none): the prompt's ids, each token's text.
+  const std::shared_ptr<const Tokenizer> tok = run_tokenizer(a.run_dir, run.data);
+  std::vector<int64_t> prompt;
+  const std::string start_text = a.prompt.empty() ? std::string("\n") : a.prompt;
+  if (tok) {
+    for (int32_t id : tok->encode(start_text)) prompt.push_back(id);
+  } else {
+    for (unsigned char ch : start_text) prompt.push_back(ch);
+  }
+  std::vector<std::string> pieces;
+  if (tok)
+    for (int32_t id = 0; id < tok->vocab_size(); ++id) pieces.push_back(tok->decode({id}));
+  const auto token_text = [&](int64_t id) {
+    return tok ? pieces.at(static_cast<size_t>(id)) : std::string(1, static_cast<char>(id));
+  };
   const auto start = std::chrono::steady_clock::now();
-  const std::string text = generate_text(run.model, a.prompt, o);
+  const auto samples = generate_tokens(run.model, prompt, o, token_text);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::cout << a.prompt << text << std::endl;
-  spdlog::info("{} bytes in {:.2f} s ({:.0f} bytes/s, {})", text.size(), secs,
-               secs > 0 ? static_cast<double>(text.size()) / secs : 0.0,
-               o.kv_cache ? "keys and values cached" : "--no-kv-cache");
+  size_t bytes = 0;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (samples.size() > 1) std::cout << (i ? "\n" : "") << "--- sample " << i + 1 << " of " << samples.size() << " ---\n";
+    std::cout << a.prompt << samples[i].text << "\n";
+    bytes += samples[i].text.size();
+  }
+  std::cout << std::flush;
+  size_t tokens = 0;
+  for (const auto& s : samples) tokens += s.ids.size();
+  spdlog::info("{} tokens ({} bytes) in {:.2f} s ({:.0f} tokens/s, {}{})", tokens, bytes, secs,
+               secs > 0 ? static_cast<double>(tokens) / secs : 0.0, o.kv_cache ? "keys and values cached" : "--no-kv-cache",
+               samples.size() > 1 ? ", " + std::to_string(samples.size()) + " samples in one batch" : "");
   return 0;
 }
 
@@ -106,6 +135,19 @@ int run_evaluate(const EvaluateArgs& a) {
   DataOptions d = run.loaded.config.data;
   if (a.samples > 0) d.valid_samples = a.samples;
   if (d.valid_samples < 0) d.valid_samples = 0;  // the run trained without validation: all
+  if (!a.data.empty()) {
+    if (d.dataset != "text" && d.dataset != "image_folder" && d.dataset != "csv")
+      throw ConfigError("frugal evaluate --data: the run '" + a.run_dir + "' trained on '" + d.dataset +
+                        "'; --data takes the files of a text, image_folder or csv run");
+    d.valid_path = a.data;  // each of those reads its held-out split from valid_path
+    if (a.samples == 0) d.valid_samples = 0;  // every window / row / image of the file
+  }
+  // A subword run's tokenizer is read from its folder (data.json names it), never trained again.
+  if (const auto it = run.data.is_object() ? run.data.find("tokenizer") : run.data.end();
+      it != run.data.end() && it->value("kind", "bytes") != "bytes") {
+    d.tokenizer = it->value("kind", "");
+    d.tokenizer_path = a.run_dir;
+  }
   const Dataset data = validation_split(d, run.data);
   const Task task = task_for(data);
   const DataLoader loader(data, a.batch_size > 0 ? a.batch_size : d.valid_batch_size, false, 0);
@@ -127,7 +169,7 @@ int run_evaluate(const EvaluateArgs& a) {
   if (task.kind == TaskKind::Classification)
     std::cout << "  valid_loss: " << sums.mean_loss() << " nats/sample\n";
   else if (task.kind == TaskKind::LanguageModel)
-    std::cout << "  next-byte accuracy: " << 100.0 * sums.accuracy() << "%\n";
+    std::cout << "  next-token accuracy: " << 100.0 * sums.accuracy() << "%\n";
   else
     std::cout << "  valid_loss (MSE): " << sums.mean_loss() << "\n";
   std::cout << std::flush;

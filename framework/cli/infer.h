@@ -20,6 +20,7 @@ struct GenerateArgs {
   bool no_kv_cache = false;
   double top_p = 1.0;
   std::vector<std::string> stop;
+  int64_t samples = 1;  ///< continuations drawn at once (one batch)
 };
 
 struct EvaluateArgs {
@@ -27,6 +28,9 @@ struct EvaluateArgs {
   int64_t samples = 0;     ///< the first N samples (windows) of the split; 0 = the config's
   int64_t batch_size = 0;  ///< 0 = the config's data.valid_batch_size
   bool json = false;
+  /// Scores this instead of the run's validation split: a text file or folder (text), an image
+  /// folder of class folders (image_folder) or a CSV file (csv); "" = the split.
+  std::string data;
 };
 
 struct PredictArgs {

@@ -419,6 +419,7 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
     extra["distributed"].update(rank_summary(*learner));
   if (!world.is_main()) return rc;  // rank 0 reports for the run
   write_run_data(cfg.run.out_dir, run_data(cfg, learner->train_data().dataset()));
+  save_run_tokenizer(cfg.run.out_dir, learner->train_data().dataset());
   auto report = make_report(*learner, cfg, extra);
   write_report(cfg.run.out_dir, report, cfg);
   std::cout << report_markdown(report) << std::flush;

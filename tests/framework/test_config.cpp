@@ -398,9 +398,10 @@ TEST(OptionsDescribe, ListsKeysWithTypesDefaultsAndLimits) {
   DataOptions data;
   const nlohmann::json fields = describe_options(data);
   ASSERT_TRUE(fields.is_array());
-  // 11 for images, 3 for text (paths, block_size, windows), 5 for image folders, CSV files and
-  // augmentation (valid_path, label_column, task, flip, crop_padding)
-  EXPECT_EQ(fields.size(), 19u);
+  // 11 for images, 7 for text (paths, block_size, windows, tokenizer, vocab_size,
+  // tokenizer_model, tokenizer_path), 5 for image folders, CSV files and augmentation
+  // (valid_path, label_column, task, flip, crop_padding)
+  EXPECT_EQ(fields.size(), 23u);
   const auto* paths = find_key(fields, "paths");
   ASSERT_NE(paths, nullptr);
   EXPECT_EQ((*paths)["default"], nlohmann::json::array());

@@ -219,5 +219,42 @@ TEST(GptGenerate, TopPAndStopStrings) {
   EXPECT_THROW(generate_text(model, "the ", o), std::invalid_argument);
 }
 
+// A batch of samples: one forward per token for all rows. Greedy rows are the single greedy
+// text; sampled rows differ from one another, repeat with the seed, agree with and without the
+// cache, and each stops at its own stop string.
+TEST(GptGenerate, ABatchOfSamplesIsRowsOfIndependentContinuations) {
+  TinyGpt s;
+  auto l = make_tiny_gpt_learner(s);
+  l->fit(1);
+  torch::nn::Sequential model = l->model();
+  const auto byte = [](int64_t id) { return std::string(1, static_cast<char>(id)); };
+  const std::vector<int64_t> prompt = {'t', 'h', 'e', ' '};
+  SampleOptions o;
+  o.tokens = 2 * s.block_size;
+  o.block_size = s.block_size;
+  o.top_k = 0;
+  o.temperature = 0;
+  o.samples = 3;
+  const std::string greedy = generate_text(model, "the ", o);
+  for (const Sample& row : generate_tokens(model, prompt, o, byte)) {
+    EXPECT_EQ(row.text, greedy);
+    EXPECT_EQ(static_cast<int64_t>(row.ids.size()), o.tokens);
+  }
+  o.temperature = 1.0;
+  o.seed = 11;
+  const auto sampled = generate_tokens(model, prompt, o, byte);
+  ASSERT_EQ(sampled.size(), 3u);
+  EXPECT_NE(sampled[0].text, sampled[1].text);
+  EXPECT_NE(sampled[1].text, sampled[2].text);
+  o.kv_cache = false;
+  const auto again = generate_tokens(model, prompt, o, byte);
+  for (size_t r = 0; r < 3; ++r) EXPECT_EQ(again[r].text, sampled[r].text) << "row " << r;
+  o.stop = {" "};  // every row ends before its first space
+  for (const Sample& row : generate_tokens(model, prompt, o, byte))
+    EXPECT_EQ(row.text, row.text.substr(0, row.text.find(' ')));
+  const auto cut = generate_tokens(model, prompt, o, byte);
+  for (size_t r = 0; r < 3; ++r) EXPECT_EQ(cut[r].text, sampled[r].text.substr(0, sampled[r].text.find(' '))) << r;
+}
+
 }  // namespace
 }  // namespace frugal::test

@@ -50,8 +50,70 @@ TEST_F(Infer, EvaluateGivesTheReportsValidationLossFromTheExportedModelAlone) {
   EXPECT_EQ(j["valid_tokens"], 12 * 16);
   EXPECT_NEAR(j["valid_loss"].get<double>(), report["fit"]["valid_loss"].get<double>(), 1e-5);
   EXPECT_NEAR(j["perplexity"].get<double>(), std::exp(j["valid_loss"].get<double>()), 1e-9);
+  // Byte tokens: bits per byte is the loss in bits, in the report and in evaluate.
+  EXPECT_NEAR(j["bits_per_byte"].get<double>(), j["valid_loss"].get<double>() / std::log(2.0), 1e-9);
+  EXPECT_NEAR(report["fit"]["bits_per_byte"].get<double>(), report["fit"]["valid_loss"].get<double>() / std::log(2.0),
+              1e-9);
   const CliResult text = run_cli("evaluate " + run);
   EXPECT_NE(text.output.find("nats/token (perplexity"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find(" bits/byte)"), std::string::npos) << text.output;
+}
+
+TEST_F(Infer, EvaluateDataScoresEveryWindowOfAnotherFile) {
+  // 161 bytes: 10 whole windows of 16 tokens (the last window's targets need one byte more).
+  const std::string other = dir.file("other.txt");
+  std::ofstream(other, std::ios::binary) << tiny_corpus(161, 99);
+  const CliResult r = run_cli("evaluate " + run + " --data " + other + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  EXPECT_EQ(j["samples"], 10);
+  EXPECT_EQ(j["valid_tokens"], 160);
+  const double split_loss = read_json(run + "/report.json")["fit"]["valid_loss"].get<double>();
+  EXPECT_NE(j["valid_loss"].get<double>(), split_loss);
+  // The corpus' last tenth as a file, its first 12 windows: the split the run validated on.
+  const std::string tenth = dir.file("tenth.txt");
+  std::ofstream(tenth, std::ios::binary) << tiny_corpus(8000).substr(7200);
+  const CliResult same = run_cli("evaluate " + run + " --data " + tenth + " --samples 12 --json");
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NEAR(nlohmann::json::parse(same.output.substr(same.output.find('{')))["valid_loss"].get<double>(), split_loss,
+              1e-5);
+  const CliResult missing = run_cli("evaluate " + run + " --data " + dir.file("nowhere.txt"));
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find(dir.file("nowhere.txt")), std::string::npos) << missing.output;
+}
+
+// A subword run: the sentencepiece tokenizer trained on the corpus is kept in the run folder
+// and evaluate and generate read it there (not trained again); bits per byte compare it with
+// a byte model.
+TEST_F(Infer, ASentencePieceRunKeepsItsTokenizerForEvaluateAndGenerate) {
+  const std::string spm = dir.file("spm-run");
+  write_text(dir.file("spm.toml"), gpt_config(corpus, spm));
+  const CliResult r = run_cli("train " + dir.file("spm.toml") +
+                              " --set 'data.tokenizer=\"sentencepiece\"' --set data.vocab_size=300");
+  if (r.output.find("AddressSanitizer build") != std::string::npos) GTEST_SKIP() << "no sentencepiece under ASan";
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_TRUE(std::filesystem::exists(spm + "/tokenizer.model"));
+  const nlohmann::json data = read_json(spm + "/data.json");
+  EXPECT_EQ(data["tokenizer"]["kind"], "sentencepiece");
+  EXPECT_EQ(data["tokenizer"]["vocab_size"], 300);
+  EXPECT_EQ(data["input"]["num_classes"], 300);
+  const nlohmann::json fit = read_json(spm + "/report.json")["fit"];
+  // Pieces of several bytes: fewer bits per byte than the loss per token in bits.
+  EXPECT_LT(fit["bits_per_byte"].get<double>(), 0.8 * fit["valid_loss"].get<double>() / std::log(2.0));
+  const CliResult e = run_cli("evaluate " + spm + " --json");
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const auto j = nlohmann::json::parse(e.output.substr(e.output.find('{')));
+  EXPECT_NEAR(j["valid_loss"].get<double>(), fit["valid_loss"].get<double>(), 1e-5);
+  EXPECT_NEAR(j["bits_per_byte"].get<double>(), fit["bits_per_byte"].get<double>(), 1e-5);
+  const CliResult other = run_cli("evaluate " + spm + " --data " + corpus);
+  EXPECT_EQ(other.exit_code, 0) << other.output;
+  const CliResult g = run_cli("--log-level warn generate " + spm + " --prompt 'the cat' --tokens 6 --samples 2 --seed 4");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_NE(g.output.find("--- sample 2 of 2 ---\nthe cat"), std::string::npos) << g.output;
+  std::filesystem::remove(spm + "/tokenizer.model");
+  const CliResult lost = run_cli("evaluate " + spm);
+  EXPECT_NE(lost.exit_code, 0);
+  EXPECT_NE(lost.output.find("tokenizer.model"), std::string::npos) << lost.output;
 }
 
 TEST_F(Infer, GenerateContinuesThePromptAndTheSameSeedGivesTheSameText) {
@@ -62,7 +124,7 @@ TEST_F(Infer, GenerateContinuesThePromptAndTheSameSeedGivesTheSameText) {
   EXPECT_EQ(a.output.rfind("the cat", 0), 0u) << a.output;
   EXPECT_GE(a.output.size(), 7u + 40u);
   EXPECT_EQ(run_cli(cmd).output, a.output);
-  EXPECT_NE(run_cli("generate " + run + " --tokens 5").output.find("bytes/s, keys and values cached"),
+  EXPECT_NE(run_cli("generate " + run + " --tokens 5").output.find("tokens/s, keys and values cached"),
             std::string::npos);
   const CliResult greedy = run_cli("generate " + run + " --prompt 'the ' --tokens 30 --temperature 0");
   ASSERT_EQ(greedy.exit_code, 0) << greedy.output;

@@ -9,6 +9,7 @@
 #include "frugal/app/run.h"
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
+#include "frugal/data/tokenizer.h"
 #include "frugal/io/file_writer.h"
 #include "frugal/io/safetensors.h"
 #include "frugal/models/registry.h"
@@ -164,7 +165,19 @@ nlohmann::json run_data(const Config& c, const Dataset& train) {
     j["images"] = {{"mean", train.mean}, {"std", train.std}, {"size", train.height()}};
   if (train.is_tabular())
     j["features"] = {{"names", train.feature_names}, {"mean", train.feature_mean}, {"std", train.feature_std}};
+  if (train.is_text())  // its files are saved beside data.json (save_run_tokenizer)
+    j["tokenizer"] = {{"kind", train.tokenizer ? train.tokenizer->kind() : "bytes"}, {"vocab_size", train.num_classes}};
   return j;
+}
+
+std::vector<std::string> save_run_tokenizer(const std::string& out_dir, const Dataset& train) {
+  return train.tokenizer ? train.tokenizer->save(out_dir) : std::vector<std::string>{};
+}
+
+std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data) {
+  const auto it = data.is_object() ? data.find("tokenizer") : data.end();
+  if (it == data.end() || it->value("kind", "bytes") == "bytes") return nullptr;
+  return load_tokenizer(it->value("kind", ""), run_dir);
 }
 
 void write_run_data(const std::string& out_dir, const nlohmann::json& data) {

@@ -42,7 +42,7 @@ const StageOptions& first_stage(const Config& c) {
 }
 
 // The text corpus as the text dataset splits it (the last tenth validates, or data.valid_path
-// does) and head() cuts it.
+// does) and head() cuts it: bytes, or an upper bound for subword tokens.
 int64_t text_bytes(const DataOptions& d) {
   const auto bytes_of = [](const std::vector<std::string>& paths) {
     int64_t n = 0;
@@ -60,7 +60,11 @@ int64_t text_bytes(const DataOptions& d) {
   const auto kept = [&](int64_t bytes, int64_t windows) {
     return windows > 0 && windows * d.block_size + 1 < bytes ? windows * d.block_size + 1 : bytes;
   };
-  return kept(n_train, d.train_samples) + (d.valid_samples < 0 ? 0 : kept(n_valid, d.valid_samples));
+  const int64_t units = kept(n_train, d.train_samples) + (d.valid_samples < 0 ? 0 : kept(n_valid, d.valid_samples));
+  // Subword tokens are int32, at most one per byte (every piece stands for a byte or more): an
+  // upper bound, as the text is not encoded here; and each split's float bytes-per-token table.
+  if (d.tokenizer != "bytes") return 4 * units + 2 * 4 * text_vocab_size(d);
+  return units;
 }
 
 // image_folder's cache: every listed image as uint8 channels x image_size^2, and its label.

@@ -102,7 +102,7 @@ ModelInput model_input(const Config& c, const Dataset* data) {
   in.seed = static_cast<uint64_t>(c.run.seed);
   if (data ? data->is_text() : c.data.dataset == "text") {
     in.block_size = data ? data->block_size : c.data.block_size;
-    in.num_classes = data ? data->num_classes : 256;
+    in.num_classes = data ? data->num_classes : text_vocab_size(c.data);
     return in;
   }
   in.channels = data ? data->channels() : c.data.channels;

@@ -157,10 +157,21 @@ void DataOptions::visit(FieldVisitor& v) {
   v.field("paths", paths,
           "text data: files or folders (their text files, recursively, sorted) read as one byte "
           "corpus");
-  v.field("block_size", block_size, "text data: tokens (bytes) per window", at_least(2));
+  v.field("block_size", block_size, "text data: tokens per window", at_least(2));
   v.field("windows_per_epoch", windows_per_epoch,
-          "text data: random training windows per epoch; 0 = training bytes / block_size",
+          "text data: random training windows per epoch; 0 = training tokens / block_size",
           at_least(0));
+  v.field("tokenizer", tokenizer,
+          "text data: bytes (an id per byte), sentencepiece (trained on the training text, or "
+          "data.tokenizer_path) or gpt2 (GPT-2's byte-level BPE from data.tokenizer_path)",
+          {"bytes", "sentencepiece", "gpt2"});
+  v.field("vocab_size", vocab_size, "text data: the pieces of a sentencepiece tokenizer trained on the corpus",
+          at_least(260));
+  v.field("tokenizer_model", tokenizer_model, "text data: the algorithm of a sentencepiece tokenizer trained on the corpus",
+          {"bpe", "unigram"});
+  v.field("tokenizer_path", tokenizer_path,
+          "text data: an existing tokenizer: a sentencepiece .model file or a folder holding tokenizer.model; "
+          "gpt2: the folder of encoder.json and vocab.bpe; \"\" = sentencepiece trains one");
   v.field("valid_path", valid_path,
           "image_folder: the validation folder; csv: the validation file; text: a held-out "
           "file or folder (\"\" = the corpus' last tenth)");
@@ -171,6 +182,23 @@ void DataOptions::visit(FieldVisitor& v) {
   v.field("crop_padding", crop_padding,
           "images: pad training images by N pixels and crop back at a random offset (seeded); 0 = off",
           at_least(0));
+}
+
+/// A tokenizer key the chosen tokenizer does not read (set away from its default) is an error.
+void DataOptions::check_tokenizer_keys() const {
+  const bool trains = tokenizer == "sentencepiece" && tokenizer_path.empty();
+  const std::string why = tokenizer == "bytes"   ? "data.tokenizer = \"bytes\" has 256 ids"
+                          : tokenizer == "gpt2" ? "gpt2's vocabulary is its encoder.json"
+                                                : "an existing model (data.tokenizer_path) has its own";
+  if (!trains && vocab_size != DataOptions().vocab_size)
+    throw_config_error("'data.vocab_size' = " + std::to_string(vocab_size) +
+                       " sets a sentencepiece tokenizer trained on the corpus; " + why);
+  if (!trains && tokenizer_model != DataOptions().tokenizer_model)
+    throw_config_error("'data.tokenizer_model' = \"" + tokenizer_model +
+                       "\" sets a sentencepiece tokenizer trained on the corpus; " + why);
+  if (tokenizer == "bytes" && !tokenizer_path.empty())
+    throw_config_error("'data.tokenizer_path' names an existing tokenizer, but data.tokenizer = \"bytes\": set "
+                       "data.tokenizer = \"sentencepiece\" or \"gpt2\"");
 }
 
 void DataOptions::check() const {
@@ -184,6 +212,10 @@ void DataOptions::check() const {
     throw_config_error("'data.valid_path' is empty: name the " +
                        std::string(dataset == "csv" ? "validation CSV file" : "validation folder") +
                        " of the " + dataset + " dataset, or set 'data.valid_samples' = -1 (no validation)");
+  check_tokenizer_keys();
+  if (tokenizer == "gpt2" && tokenizer_path.empty())
+    throw_config_error("'data.tokenizer' = \"gpt2\" reads GPT-2's encoder.json and vocab.bpe: set "
+                       "'data.tokenizer_path' to their folder");
   if ((dataset == "csv" || dataset == "text") && (flip || crop_padding > 0))
     throw_config_error("'data.flip' and 'data.crop_padding' augment images; dataset \"" + dataset +
                        "\" has none");

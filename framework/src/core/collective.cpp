@@ -17,7 +17,7 @@ void sum_across_ranks(Collective& c, MetricSums& s) {
   if (!c.distributed()) return;
   // Doubles: counts stay exact up to 2^53 target elements.
   torch::Tensor t = torch::tensor({s.loss_sum, static_cast<double>(s.count),
-                                   static_cast<double>(s.correct)},
+                                   static_cast<double>(s.correct), s.bytes},
                                   torch::TensorOptions().dtype(torch::kDouble))
                         .to(c.device());
   c.all_reduce(t);
@@ -26,6 +26,7 @@ void sum_across_ranks(Collective& c, MetricSums& s) {
   s.loss_sum = v[0];
   s.count = static_cast<int64_t>(std::llround(v[1]));
   s.correct = static_cast<int64_t>(std::llround(v[2]));
+  s.bytes = v[3];
 }
 
 }  // namespace frugal

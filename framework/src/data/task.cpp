@@ -32,7 +32,8 @@ TaskMetric Task::metric(const MetricSums& s) const {
     m.value = s.mean_loss();
     m.higher_is_better = false;
     m.unit = "nats/token";
-    std::snprintf(buf, sizeof buf, "%.4f nats/token (perplexity %.2f)", m.value, std::exp(m.value));
+    std::snprintf(buf, sizeof buf, "%.4f nats/token (perplexity %.2f, %.4f bits/byte)", m.value,
+                  std::exp(m.value), s.bits_per_byte());
   } else {
     m.name = "accuracy";
     m.value = s.accuracy();
@@ -54,7 +55,10 @@ nlohmann::json Task::to_json(const MetricSums& s) const {
                         {"higher_is_better", m.higher_is_better},
                         {"unit", m.unit},
                         {"text", m.text}}}};
-  if (kind == TaskKind::LanguageModel) j["perplexity"] = std::exp(s.mean_loss());
+  if (kind == TaskKind::LanguageModel) {
+    j["perplexity"] = std::exp(s.mean_loss());
+    j["bits_per_byte"] = s.bits_per_byte();
+  }
   if (kind == TaskKind::Regression) {
     j.erase("valid_accuracy");
     j["valid_rmse"] = m.value;
@@ -99,6 +103,10 @@ MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const
   torch::NoGradGuard no_grad;
   auto correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device));
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+  auto bytes = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+  const bool text = data.dataset().is_text();
+  const torch::Tensor token_bytes =
+      text && data.dataset().token_bytes.defined() ? data.dataset().token_bytes.to(device, torch::kDouble) : torch::Tensor();
   int64_t count = 0;
   for (int64_t i = 0; i < data.num_batches(); ++i) {
     const Batch b = data.batch(i);
@@ -109,8 +117,11 @@ MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const
                                  F::CrossEntropyFuncOptions().reduction(torch::kSum));
     correct += logits.argmax(1).eq(y).sum();
     count += y.numel();
+    if (token_bytes.defined()) bytes += token_bytes.index_select(0, y).sum();
   }
-  return MetricSums{loss_sum.item<double>(), count, correct.item<int64_t>()};
+  MetricSums s{loss_sum.item<double>(), count, correct.item<int64_t>()};
+  if (text) s.bytes = token_bytes.defined() ? bytes.item<double>() : static_cast<double>(count);
+  return s;
 }
 
 TaskMetric metric_from_json(const nlohmann::json& j) {

@@ -330,7 +330,7 @@ nlohmann::json to_json(const ResumeRecord& r) {
           {"optimizer", r.optimizer},
           {"loss_count", r.loss_count},
           {"valid_accuracy", r.valid_accuracy},
-          {"valid_sums", {r.valid_sums.loss_sum, r.valid_sums.count, r.valid_sums.correct}},
+          {"valid_sums", {r.valid_sums.loss_sum, r.valid_sums.count, r.valid_sums.correct, r.valid_sums.bytes}},
           {"info", r.info}};
 }
 
@@ -367,10 +367,13 @@ ResumeRecord read_resume(InputArchive& a, const std::string& path) {
   r.loss_count = j.at("loss_count").get<int64_t>();
   r.valid_accuracy = number(j, "valid_accuracy");
   if (std::isnan(r.valid_accuracy)) r.valid_accuracy = -1;
-  if (auto it = j.find("valid_sums"); it != j.end() && it->is_array() && it->size() == 3 &&
+  // [loss, count, correct] (+ bytes since language models report bits per byte)
+  if (auto it = j.find("valid_sums"); it != j.end() && it->is_array() && (it->size() == 3 || it->size() == 4) &&
                                       (*it)[0].is_number() && (*it)[1].is_number_integer() &&
-                                      (*it)[2].is_number_integer())
+                                      (*it)[2].is_number_integer()) {
     r.valid_sums = MetricSums{(*it)[0].get<double>(), (*it)[1].get<int64_t>(), (*it)[2].get<int64_t>()};
+    if (it->size() == 4 && (*it)[3].is_number()) r.valid_sums.bytes = (*it)[3].get<double>();
+  }
   r.info = j.value("info", nlohmann::json());
   try {
     for (const auto& s : j.at("stats")) r.stats.push_back(stats_from_json(s));

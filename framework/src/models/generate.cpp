@@ -12,7 +12,7 @@ namespace frugal {
 
 namespace {
 
-void check(const SampleOptions& o) {
+void check(const SampleOptions& o, size_t prompt) {
   if (o.tokens < 0) throw std::invalid_argument("tokens must be >= 0");
   if (!(o.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0");
   if (o.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
@@ -20,69 +20,96 @@ void check(const SampleOptions& o) {
   for (const auto& s : o.stop)
     if (s.empty()) throw std::invalid_argument("a stop string must not be empty");
   if (o.block_size < 1) throw std::invalid_argument("block_size must be >= 1");
+  if (o.samples < 1) throw std::invalid_argument("samples must be >= 1");
+  if (prompt == 0) throw std::invalid_argument("the prompt must hold at least one token");
 }
 
-/// The next byte from the last position's logits.
-int64_t next_byte(torch::Tensor logits, const SampleOptions& o, at::Generator& gen) {
-  if (o.temperature == 0) return logits.argmax().item<int64_t>();
+/// The next token of each row from the last position's logits [B, V] (float, CPU).
+torch::Tensor next_tokens(torch::Tensor logits, const SampleOptions& o, at::Generator& gen) {
+  constexpr float kOut = -std::numeric_limits<float>::infinity();
+  if (o.temperature == 0) return logits.argmax(1);
   logits = logits / o.temperature;
-  if (o.top_k > 0 && o.top_k < logits.size(0)) {
-    const torch::Tensor kth = std::get<0>(logits.topk(o.top_k)).index({-1});
-    logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+  if (o.top_k > 0 && o.top_k < logits.size(1)) {
+    const torch::Tensor kth = std::get<0>(logits.topk(o.top_k, 1)).narrow(1, o.top_k - 1, 1);
+    logits = logits.masked_fill(logits < kth, kOut);
   }
-  if (o.top_p < 1) {  // the smallest set of likeliest bytes holding top_p of the probability
-    const auto sorted = torch::softmax(logits, 0).sort(0, /*descending=*/true);
+  if (o.top_p < 1) {  // per row, the smallest set of likeliest tokens holding top_p of the probability
+    const auto sorted = torch::softmax(logits, 1).sort(1, /*descending=*/true);
     const torch::Tensor& p = std::get<0>(sorted);
-    const torch::Tensor outside = (p.cumsum(0) - p) >= o.top_p;  // the mass before it is enough
-    logits = logits.index_fill(0, std::get<1>(sorted).masked_select(outside),
-                               -std::numeric_limits<float>::infinity());
+    const torch::Tensor outside = (p.cumsum(1) - p) >= o.top_p;  // the mass before it is enough
+    logits = logits.scatter(1, std::get<1>(sorted), logits.gather(1, std::get<1>(sorted)).masked_fill(outside, kOut));
   }
-  return at::multinomial(torch::softmax(logits, 0), 1, false, gen).item<int64_t>();
+  return at::multinomial(torch::softmax(logits, 1), 1, false, gen).squeeze(1);
+}
+
+/// Cuts `s.text` before the first stop string it ends with; true if it did.
+bool stopped(Sample& s, const std::vector<std::string>& stops, size_t added) {
+  for (const auto& stop : stops) {
+    // A stop string ends somewhere inside the text the last token added (or just after it).
+    const size_t from = s.text.size() >= added + stop.size() ? s.text.size() - added - stop.size() + 1 : 0;
+    const size_t at = s.text.find(stop, from);
+    if (at != std::string::npos) {
+      s.text.resize(at);
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
 
-std::string generate_text(torch::nn::Sequential& model, const std::string& prompt,
-                          const SampleOptions& o) {
-  check(o);
+std::vector<Sample> generate_tokens(torch::nn::Sequential& model, const std::vector<int64_t>& prompt,
+                                    const SampleOptions& o,
+                                    const std::function<std::string(int64_t)>& token_text) {
+  check(o, prompt.size());
   torch::NoGradGuard no_grad;
   model->eval();
   const torch::Device device = model->parameters().empty() ? torch::Device(torch::kCPU)
                                                            : model->parameters().front().device();
   at::Generator gen = at::detail::createCPUGenerator(o.seed);
-  std::vector<int64_t> tokens;
-  for (unsigned char c : prompt.empty() ? std::string("\n") : prompt) tokens.push_back(c);
-  std::string out;
-  // With the cache, each byte after the prompt is one new position; once the context no longer
+  const int64_t n = o.samples;
+  // Every row holds the prompt and the tokens drawn so far; all rows have one length.
+  torch::Tensor ids = torch::tensor(prompt, torch::kLong).view({1, -1}).repeat({n, 1});
+  std::vector<Sample> out(static_cast<size_t>(n));
+  std::vector<bool> done(static_cast<size_t>(n), false);
+  int64_t open = n;
+  // With the cache, each token after the prompt is one new position; once the context no longer
   // fits block_size its window slides, every position moves, and the whole window is computed
-  // again for each byte (as without the cache).
+  // again for each token (as without the cache).
   GptCache cache;
   bool cached = o.kv_cache;
-  const auto ids = [&](size_t from) {
-    return torch::tensor(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(from), tokens.end()),
-                         torch::kLong)
-        .view({1, -1})
-        .to(device);
-  };
-  for (int64_t i = 0; i < o.tokens; ++i) {
-    const int64_t n = std::min<int64_t>(o.block_size, static_cast<int64_t>(tokens.size()));
+  for (int64_t i = 0; i < o.tokens && open > 0; ++i) {
+    const int64_t len = ids.size(1), ctx = std::min(o.block_size, len);
     torch::Tensor logits;
-    if (cached && static_cast<int64_t>(tokens.size()) <= o.block_size) {
-      if (auto l = gpt_forward_cached(model, ids(static_cast<size_t>(cache.length)), cache))
-        logits = l->index({0, -1});
+    if (cached && len <= o.block_size) {
+      if (auto l = gpt_forward_cached(model, ids.narrow(1, cache.length, len - cache.length).to(device), cache))
+        logits = l->select(1, -1);
       else
         cached = false;  // not the zoo's gpt: the plain forward
     }
-    if (!logits.defined()) logits = model->forward(ids(tokens.size() - static_cast<size_t>(n))).index({0, -1});
-    logits = logits.to(torch::kCPU, torch::kFloat);
-    const int64_t b = next_byte(logits, o, gen);
-    tokens.push_back(b);
-    out.push_back(static_cast<char>(static_cast<unsigned char>(b)));
-    for (const auto& stop : o.stop)
-      if (out.size() >= stop.size() && out.compare(out.size() - stop.size(), stop.size(), stop) == 0)
-        return out.substr(0, out.size() - stop.size());
+    if (!logits.defined()) logits = model->forward(ids.narrow(1, len - ctx, ctx).to(device)).select(1, -1);
+    const torch::Tensor next = next_tokens(logits.to(torch::kCPU, torch::kFloat), o, gen);
+    ids = torch::cat({ids, next.view({n, 1})}, 1);
+    const auto* t = next.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      if (done[r]) continue;
+      const std::string piece = token_text(t[r]);
+      out[r].ids.push_back(t[r]);
+      out[r].text += piece;
+      if (stopped(out[r], o.stop, piece.size())) done[r] = true, --open;
+    }
   }
   return out;
+}
+
+std::string generate_text(torch::nn::Sequential& model, const std::string& prompt, const SampleOptions& o) {
+  std::vector<int64_t> ids;
+  for (unsigned char c : prompt.empty() ? std::string("\n") : prompt) ids.push_back(c);
+  SampleOptions one = o;
+  one.samples = 1;
+  return generate_tokens(model, ids, one, [](int64_t id) { return std::string(1, static_cast<char>(id)); })
+      .front()
+      .text;
 }
 
 }  // namespace frugal

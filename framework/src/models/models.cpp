@@ -331,9 +331,10 @@ Dataset synthetic(const DataOptions& o, bool train) {
 }
 
 Dataset text(const DataOptions& o, bool train) {
+  const auto tok = text_tokenizer(o);
   if (!o.valid_path.empty())
-    return load_text(o.paths, {o.valid_path}, o.block_size, o.windows_per_epoch, train);
-  return load_text(o.paths, o.block_size, o.windows_per_epoch, train);
+    return load_text(o.paths, {o.valid_path}, o.block_size, o.windows_per_epoch, train, tok);
+  return load_text(o.paths, o.block_size, o.windows_per_epoch, train, tok);
 }
 
 /// The validation split's path; the run may have trained without one (`frugal evaluate`).
@@ -411,9 +412,10 @@ Registry<DatasetFactory>& datasets() {
     r.add("synthetic", synthetic, "random images with learnable labels of any shape", "frugal",
           with({"channels", "image_size", "classes", "samples"}, images));
     r.add("text", text,
-          "byte-level tokens of text files (data.paths) in windows of block_size; validation "
-          "is data.valid_path or the corpus' last tenth",
-          "frugal", Keys{"paths", "valid_path", "block_size", "windows_per_epoch", "stages.seq_len"});
+          "tokens (bytes, sentencepiece or gpt2's BPE) of text files (data.paths) in windows of "
+          "block_size; validation is data.valid_path or the corpus' last tenth",
+          "frugal", Keys{"paths", "valid_path", "block_size", "windows_per_epoch", "stages.seq_len", "tokenizer",
+                         "vocab_size", "tokenizer_model", "tokenizer_path"});
     r.add("image_folder", image_folder,
           "PNG/JPEG images, one sub-folder per class (data.path, data.valid_path), resized to "
           "data.image_size and cached in memory as uint8",

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -16,6 +17,7 @@
 #include "frugal/callbacks/early_stopping.h"
 #include "frugal/config/config.h"
 #include "frugal/core/callback.h"
+#include "frugal/data/tokenizer.h"
 
 namespace frugal {
 
@@ -99,6 +101,12 @@ std::string best_model_path(const RunOptions& r);
 /// standard deviations.
 nlohmann::json run_data(const Config& c, const Dataset& train);
 void write_run_data(const std::string& out_dir, const nlohmann::json& data);
+/// A subword corpus' tokenizer files into out_dir (tokenizer.model; encoder.json + vocab.bpe),
+/// named by data.json's "tokenizer" {kind, vocab_size}; returns the files' names (none for bytes).
+std::vector<std::string> save_run_tokenizer(const std::string& out_dir, const Dataset& train);
+/// The tokenizer a run folder's data.json names, loaded from the folder; null for bytes (or a
+/// run from before tokenizers).
+std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data);
 
 /// A trained run, loaded back: its resolved config (with its plugins loaded, since a plugin may
 /// register the model), its model with the exported weights, in eval mode, and its data.json

@@ -8,5 +8,7 @@ inline constexpr const char* kVersion = "0.1.0";
 // bytes released, allocator_stats(); Limits::or_auto. 6: headers in
 // subsystem folders; Callback::retry_veto, optimizer_replaced; Learner::collective,
 // completes_step (the Learner's layout changed); OptimizerOptions::own is an OwnKeys.
-inline constexpr int kAbiVersion = 7;
+// 7: Registry::Entry::reads, ModelOptions' init keys. 8: DataOptions' tokenizer keys, Dataset's
+// tokenizer and token_bytes, MetricSums::bytes (layouts changed).
+inline constexpr int kAbiVersion = 8;
 }  // namespace frugal

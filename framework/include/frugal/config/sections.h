@@ -97,8 +97,14 @@ struct DataOptions : Options {
   int64_t crop_padding = 0;        ///< pad by N pixels, crop back at a random offset; 0 = off
   // text data only
   std::vector<std::string> paths;  ///< text files or folders (read recursively, sorted)
-  int64_t block_size = 128;        ///< tokens (bytes) per training window
-  int64_t windows_per_epoch = 0;   ///< random windows per epoch; 0 = train bytes / block_size
+  int64_t block_size = 128;        ///< tokens per training window
+  int64_t windows_per_epoch = 0;   ///< random windows per epoch; 0 = train tokens / block_size
+  std::string tokenizer = "bytes";  ///< bytes | sentencepiece | gpt2
+  int64_t vocab_size = 4096;        ///< sentencepiece trained on the corpus: its pieces
+  std::string tokenizer_model = "bpe";  ///< sentencepiece trained on the corpus: bpe | unigram
+  /// An existing tokenizer: sentencepiece's .model file (or a folder holding tokenizer.model),
+  /// gpt2's folder of encoder.json + vocab.bpe; "" = sentencepiece trains one on the corpus
+  std::string tokenizer_path;
   int64_t batch_size = 128;
   int64_t valid_batch_size = 1000;
   int64_t train_samples = 0;  ///< use the first N training samples; 0 = all
@@ -111,6 +117,9 @@ struct DataOptions : Options {
   int64_t samples = 1024;
   void visit(FieldVisitor& v) override;
   void check() const override;
+
+ private:
+  void check_tokenizer_keys() const;
 };
 
 struct ModelOptions : Options {

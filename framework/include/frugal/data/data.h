@@ -5,6 +5,7 @@
 /// the stage's image size or cut to the stage's sequence length, images augmented by a seeded
 /// per-epoch draw.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -12,6 +13,9 @@
 #include <torch/torch.h>
 
 namespace frugal {
+
+class Tokenizer;
+struct DataOptions;
 
 /// Seeded image augmentations of a training split (make_dataset sets them from data.flip and
 /// data.crop_padding for the training split only; validation is never augmented).
@@ -34,7 +38,12 @@ struct Dataset {
   double std = 1.0;
   std::string name;
   // A text dataset: a sample is a window of block_size tokens and the tokens that follow.
-  torch::Tensor tokens;     ///< uint8 [L], the byte corpus of this split
+  torch::Tensor tokens;     ///< uint8 [L] (bytes) or int32 [L] (subword tokens) of this split
+  /// float [vocabulary]: the bytes each token stands for (1 for every byte token), so validation
+  /// reports bits per byte, comparable between tokenizers. Undefined: 1 byte per token.
+  torch::Tensor token_bytes;
+  /// The tokenizer of a subword corpus (saved into the run folder); null for bytes.
+  std::shared_ptr<const Tokenizer> tokenizer;
   int64_t block_size = 0;   ///< tokens per window
   int64_t windows = 0;      ///< samples: windows per epoch (train) or in the split (validation)
   Augment augment;          ///< applied to the training batches of an image dataset
@@ -92,15 +101,27 @@ Dataset make_synthetic(int64_t n, int64_t channels, int64_t height, int64_t widt
 /// draws `windows` random windows of `block_size` tokens per epoch (0 = train bytes /
 /// block_size), validation reads consecutive windows. Throws DataError naming the path for a
 /// missing or unreadable file, an empty corpus or one shorter than a window in either split.
+/// With a tokenizer (null = bytes) the split's text is encoded (int32 tokens) and the sizes
+/// above count tokens.
 Dataset load_text(const std::vector<std::string>& paths, int64_t block_size, int64_t windows,
-                  bool train);
+                  bool train, std::shared_ptr<const Tokenizer> tokenizer = nullptr);
 /// A held-out corpus: training reads every byte of `paths` (no tenth kept back) and validation
 /// every byte of `valid_paths` (data.valid_path), in consecutive windows.
 Dataset load_text(const std::vector<std::string>& paths, const std::vector<std::string>& valid_paths,
-                  int64_t block_size, int64_t windows, bool train);
+                  int64_t block_size, int64_t windows, bool train,
+                  std::shared_ptr<const Tokenizer> tokenizer = nullptr);
+/// The tokenizer data.tokenizer names: null for "bytes"; sentencepiece loaded from
+/// data.tokenizer_path or trained on the training text (the first 90% of data.paths, or all of
+/// it with a data.valid_path), gpt2 from data.tokenizer_path. Built once per process for the
+/// same options (training and validation share it). Throws DataError naming what failed.
+std::shared_ptr<const Tokenizer> text_tokenizer(const DataOptions& o);
+/// The vocabulary data.tokenizer gives (256 for bytes; a trained sentencepiece's vocab_size, an
+/// existing one's pieces) without reading the corpus.
+int64_t text_vocab_size(const DataOptions& o);
 /// The same split of corpus bytes held in memory; `source` names them in errors.
 Dataset text_dataset(const std::string& corpus, int64_t block_size, int64_t windows, bool train,
-                     const std::string& source = "the corpus");
+                     const std::string& source = "the corpus",
+                     std::shared_ptr<const Tokenizer> tokenizer = nullptr);
 /// The files load_text reads for `paths`, in order (a folder's regular files, recursively,
 /// sorted; symbolic links and binary files skipped). Throws DataError for a path that does not exist.
 std::vector<std::string> text_files(const std::vector<std::string>& paths);

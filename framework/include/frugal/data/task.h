@@ -6,6 +6,7 @@
 /// metric: accuracy for classification, loss in nats per token (and perplexity) for language
 /// modelling. A regression (float targets, one output per sample) sums squared errors instead:
 /// its metric is the RMSE (lower is better), and nothing is argmax'd.
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -24,7 +25,10 @@ struct MetricSums {
   int64_t count = 0;    ///< target elements: samples or tokens
   int64_t correct = 0;  ///< target elements whose argmax prediction is right; < 0: the task has
                         ///< no accuracy (regression)
+  double bytes = 0;     ///< language modelling: the text bytes the target tokens stand for
   double mean_loss() const { return count ? loss_sum / static_cast<double>(count) : 0.0; }
+  /// The loss in bits per byte of text (cross-entropy / ln 2 / bytes): 0 without bytes.
+  double bits_per_byte() const { return bytes > 0 ? loss_sum / (std::log(2.0) * bytes) : 0.0; }
   /// -1 when the task has no accuracy (regression).
   double accuracy() const {
     if (correct < 0) return -1.0;
@@ -38,7 +42,7 @@ struct TaskMetric {
   double value = 0;
   bool higher_is_better = true;
   std::string unit;               ///< "" (a fraction) | "nats/token"
-  std::string text;               ///< "89.95%" | "1.234 nats/token (perplexity 3.43)" |
+  std::string text;               ///< "89.95%" | "1.234 nats/token (perplexity 3.43, 1.780 bits/byte)" |
                                   ///< "RMSE 0.1234 (MSE 0.01523)"
 };
 
@@ -54,7 +58,7 @@ struct Task {
   /// The headline metric of validation sums.
   TaskMetric metric(const MetricSums& s) const;
   /// {"task", "valid_loss", "valid_accuracy", "valid_metric": {name, value, higher_is_better,
-  /// unit, text}} (+ "perplexity" for a language model) for the report. A regression has
+  /// unit, text}} (+ "perplexity" and "bits_per_byte" for a language model) for the report. A regression has
   /// "valid_loss" (the MSE) and "valid_rmse", and no "valid_accuracy".
   nlohmann::json to_json(const MetricSums& s) const;
 };
