@@ -1,7 +1,9 @@
 // chunked_loss: cross-entropy from the hidden states in row chunks (frugal::LmHead).
 #include "chunked_loss.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include <frugal/base/compat.h>
 #include <frugal/base/error.h>
@@ -63,14 +65,22 @@ torch::Tensor ChunkedLoss::loss(const torch::Tensor& pred, const torch::Tensor& 
   return frugal::chunked_linear_cross_entropy(flat, head_->weight, targets, o_.chunk);
 }
 
-/// On the first batch, the run's own loss on the real logits: the plugin computes plain
+/// On the first batch, the run's own loss on real logits of its first `chunk` tokens (no more
+/// logits than a chunk: the check must not make the peak it saves): the plugin computes plain
 /// cross-entropy (mean over tokens), so another loss or label smoothing is refused, naming both
 /// values, rather than changed silently.
-void ChunkedLoss::check_against(const torch::Tensor& h, const torch::Tensor& y, const torch::Tensor& pred) {
+void ChunkedLoss::check_against(const torch::Tensor& h_all, const torch::Tensor& y_all, const torch::Tensor& pred) {
   torch::NoGradGuard g;
-  frugal::compat::AutocastOff off(h.device().type());
-  const auto logits = torch::matmul(h, head_->weight.to(h.scalar_type()).t()).view(pred.sizes());
-  const double ref = previous_(logits, y.view(pred.sizes().slice(0, pred.dim() - 1))).item<double>();
+  frugal::compat::AutocastOff off(h_all.device().type());
+  const int64_t rows = std::min(o_.chunk, h_all.size(0));
+  const auto h = h_all.narrow(0, 0, rows), y = y_all.narrow(0, 0, rows);
+  const auto logits = torch::matmul(h, head_->weight.to(h.scalar_type()).t());
+  // In the prediction's rank ([1, rows, V] for [B, T, V]), as the run's loss receives it.
+  std::vector<int64_t> shape(static_cast<size_t>(pred.dim()), 1), target(static_cast<size_t>(pred.dim() - 1), 1);
+  shape[shape.size() - 2] = rows;
+  shape.back() = logits.size(1);
+  target.back() = rows;
+  const double ref = previous_(logits.view(shape), y.view(target)).item<double>();
   const double mine = frugal::chunked_linear_cross_entropy(h, head_->weight, y, o_.chunk).item<double>();
   if (std::abs(ref - mine) > 1e-4 * std::max(1.0, std::abs(ref)))
     frugal::throw_config_error("plugins.chunked_loss computes plain cross-entropy (mean over tokens), but the run's "

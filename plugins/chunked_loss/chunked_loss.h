@@ -37,7 +37,7 @@ class ChunkedLoss : public frugal::Callback {
 
  private:
   torch::Tensor loss(const torch::Tensor& pred, const torch::Tensor& y);
-  void check_against(const torch::Tensor& h, const torch::Tensor& y, const torch::Tensor& pred);
+  void check_against(const torch::Tensor& h_all, const torch::Tensor& y_all, const torch::Tensor& pred);
 
   ChunkedLossOptions o_;
   std::shared_ptr<spdlog::logger> log_;

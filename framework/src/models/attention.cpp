@@ -104,7 +104,9 @@ struct ChunkedAttentionFn : torch::autograd::Function<ChunkedAttentionFn> {
     compat::AutocastOff no_autocast(q.device().type());
     Chunking c{q, k.to(q.scalar_type()), v.to(q.scalar_type()), qc, kc, q.size(2),
                1.0 / std::sqrt(static_cast<double>(q.size(3))), p, seed, working_type(q)};
-    auto out = torch::empty(q.sizes(), q.options().dtype(c.wt));
+    // Laid out [B, T, H, D] and seen as [B, H, T, D]: the usual transpose(1, 2).reshape of the
+    // output to [B, T, H * D] is then a view, not a copy that the next Linear keeps for backward.
+    auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options().dtype(c.wt)).transpose(1, 2);
     auto lse = torch::empty({q.size(0), q.size(1), c.t}, q.options().dtype(c.wt));
     for (int64_t i0 = 0; i0 < c.t; i0 += qc) {
       auto [rows, row_lse] = forward_rows(c, i0);
