@@ -55,6 +55,50 @@ CLI::App* add_evaluate_command(CLI::App& app, EvaluateArgs& a) {
   return cmd;
 }
 
+namespace {
+/// The sampler's options from the command line; the context is the model's position table
+/// (gpt's embed.wpe), whatever set its size.
+SampleOptions sample_options(const GenerateArgs& a, const RunModel& run) {
+  SampleOptions o;
+  o.tokens = a.tokens;
+  o.temperature = a.temperature;
+  o.top_k = a.top_k;
+  o.top_p = a.top_p;
+  o.stop = a.stop;
+  o.seed = a.seed;
+  o.samples = a.samples;
+  o.kv_cache = !a.no_kv_cache;
+  const auto params = run.model->named_parameters();
+  const torch::Tensor* wpe = params.find("embed.wpe.weight");
+  o.block_size = wpe ? wpe->size(0) : run.loaded.config.data.block_size;
+  return o;
+}
+
+/// The run's tokenizer (data.json names it; bytes when it names none): text to ids, an id's text.
+struct RunText {
+  std::shared_ptr<const Tokenizer> tok;
+  std::vector<std::string> pieces;  ///< id -> its bytes (subword tokenizers)
+
+  explicit RunText(const RunModel& run, const std::string& run_dir)
+      : tok(run_tokenizer(run_dir, run.data, run.loaded.config.data.tokenizer)) {
+    if (tok)
+      for (int32_t id = 0; id < tok->vocab_size(); ++id) pieces.push_back(tok->token_text(id));
+  }
+  std::vector<int64_t> ids(const std::string& text) const {
+    std::vector<int64_t> out;
+    if (tok) {
+      for (int32_t id : tok->encode(text)) out.push_back(id);
+    } else {
+      for (unsigned char ch : text) out.push_back(ch);
+    }
+    return out;
+  }
+  std::string text(int64_t id) const {
+    return tok ? pieces.at(static_cast<size_t>(id)) : std::string(1, static_cast<char>(id));
+  }
+};
+}  // namespace
+
 int run_generate(const GenerateArgs& a) {
   RunModel run = load_run_model(a.run_dir);
   const Config& c = run.loaded.config;
@@ -63,46 +107,20 @@ int run_generate(const GenerateArgs& a) {
                       "' model trained on '" + c.data.dataset + "'; generate samples text from a "
                       "language model (a run with data.dataset = \"text\"). Score it with "
                       "`frugal evaluate " + a.run_dir + "`");
-  SampleOptions o;
-  o.tokens = a.tokens;
-  o.temperature = a.temperature;
-  o.top_k = a.top_k;
-  o.seed = a.seed;
-  // The longest context is the model's position table (gpt's embed.wpe), whatever set its size.
-  const auto params = run.model->named_parameters();
-  const torch::Tensor* wpe = params.find("embed.wpe.weight");
-  o.block_size = wpe ? wpe->size(0) : c.data.block_size;
-  o.kv_cache = !a.no_kv_cache;
-  o.top_p = a.top_p;
-  o.stop = a.stop;
-  o.samples = a.samples;
-  // The run's tokenizer (data.json; bytes when it names none): the prompt's ids, each token's text.
-  const std::shared_ptr<const Tokenizer> tok = run_tokenizer(a.run_dir, run.data);
-  std::vector<int64_t> prompt;
-  const std::string start_text = a.prompt.empty() ? std::string("\n") : a.prompt;
-  if (tok) {
-    for (int32_t id : tok->encode(start_text)) prompt.push_back(id);
-  } else {
-    for (unsigned char ch : start_text) prompt.push_back(ch);
-  }
-  std::vector<std::string> pieces;
-  if (tok)
-    for (int32_t id = 0; id < tok->vocab_size(); ++id) pieces.push_back(tok->decode({id}));
-  const auto token_text = [&](int64_t id) {
-    return tok ? pieces.at(static_cast<size_t>(id)) : std::string(1, static_cast<char>(id));
-  };
+  const SampleOptions o = sample_options(a, run);
+  const RunText text(run, a.run_dir);
   const auto start = std::chrono::steady_clock::now();
-  const auto samples = generate_tokens(run.model, prompt, o, token_text);
+  const auto samples = generate_tokens(run.model, text.ids(a.prompt.empty() ? std::string("\n") : a.prompt), o,
+                                       [&](int64_t id) { return text.text(id); });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  size_t bytes = 0;
+  size_t bytes = 0, tokens = 0;
   for (size_t i = 0; i < samples.size(); ++i) {
     if (samples.size() > 1) std::cout << (i ? "\n" : "") << "--- sample " << i + 1 << " of " << samples.size() << " ---\n";
     std::cout << a.prompt << samples[i].text << "\n";
     bytes += samples[i].text.size();
+    tokens += samples[i].ids.size();
   }
   std::cout << std::flush;
-  size_t tokens = 0;
-  for (const auto& s : samples) tokens += s.ids.size();
   spdlog::info("{} tokens ({} bytes) in {:.2f} s ({:.0f} tokens/s, {}{})", tokens, bytes, secs,
                secs > 0 ? static_cast<double>(tokens) / secs : 0.0, o.kv_cache ? "keys and values cached" : "--no-kv-cache",
                samples.size() > 1 ? ", " + std::to_string(samples.size()) + " samples in one batch" : "");
@@ -142,11 +160,13 @@ int run_evaluate(const EvaluateArgs& a) {
     d.valid_path = a.data;  // each of those reads its held-out split from valid_path
     if (a.samples == 0) d.valid_samples = 0;  // every window / row / image of the file
   }
-  // A subword run's tokenizer is read from its folder (data.json names it), never trained again.
-  if (const auto it = run.data.is_object() ? run.data.find("tokenizer") : run.data.end();
-      it != run.data.end() && it->value("kind", "bytes") != "bytes") {
-    d.tokenizer = it->value("kind", "");
+  // A subword run's tokenizer is read from its folder (data.json or its config names it), never
+  // trained again.
+  if (const auto tok = run_tokenizer(a.run_dir, run.data, d.tokenizer)) {
+    d.tokenizer = tok->kind();
     d.tokenizer_path = a.run_dir;
+    d.vocab_size = DataOptions().vocab_size;  // the folder's model has its own
+    d.tokenizer_model = DataOptions().tokenizer_model;
   }
   const Dataset data = validation_split(d, run.data);
   const Task task = task_for(data);

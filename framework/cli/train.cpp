@@ -397,6 +397,7 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   }
   std::optional<RunLock> lock;
   const std::string checkpoint = claim_run_folder(a, loaded, *log, lock);
+  if (world.is_main()) keep_run_tokenizer(cfg.run.out_dir, learner->train_data().dataset(), !checkpoint.empty());
   log->info("plugins: {}", joined(loaded.host->loaded()));
   if (!checkpoint.empty()) load_resume(*learner, checkpoint, *log);
   learner->add_callback(std::make_shared<ProgressCallback>(
@@ -418,8 +419,8 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   if (world.distributed() && (rc == 0 || rc == kExitInterrupted))
     extra["distributed"].update(rank_summary(*learner));
   if (!world.is_main()) return rc;  // rank 0 reports for the run
+  save_run_tokenizer(cfg.run.out_dir, learner->train_data().dataset());  // before data.json names it
   write_run_data(cfg.run.out_dir, run_data(cfg, learner->train_data().dataset()));
-  save_run_tokenizer(cfg.run.out_dir, learner->train_data().dataset());
   auto report = make_report(*learner, cfg, extra);
   write_report(cfg.run.out_dir, report, cfg);
   std::cout << report_markdown(report) << std::flush;

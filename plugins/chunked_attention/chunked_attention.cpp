@@ -17,6 +17,9 @@ void ChunkedAttention::before_fit(frugal::Learner& l) {
   frugal::AttentionKernel k;
   k.query_chunk = o_.query_chunk;
   k.key_chunk = o_.key_chunk > 0 ? o_.key_chunk : o_.query_chunk;
+  before_.clear();
+  for (const auto& m : l.model()->modules(/*include_self=*/true))
+    if (auto* a = dynamic_cast<frugal::AttentionModule*>(m.get())) before_.emplace_back(m, a->attention_kernel());
   modules_ = frugal::set_attention_kernel(*l.model(), k);
   if (modules_ == 0) {
     log_->warn("nothing to do: the model has no attention module it can switch (a module deriving from "
@@ -27,7 +30,10 @@ void ChunkedAttention::before_fit(frugal::Learner& l) {
              k.key_chunk);
 }
 
-void ChunkedAttention::after_fit(frugal::Learner& l) { frugal::set_attention_kernel(*l.model(), {}); }
+void ChunkedAttention::after_fit(frugal::Learner&) {
+  for (auto& [module, kernel] : before_) dynamic_cast<frugal::AttentionModule&>(*module).attention_kernel() = kernel;
+  before_.clear();
+}
 
 }  // namespace frugal::chunked_attention
 

@@ -3,7 +3,10 @@
 // to the memory-efficient kernel for the fit: probabilities in query x key tiles, never the
 // whole B x H x T x T.
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <frugal/core/learner.h>
 #include <frugal/models/attention.h>
@@ -25,7 +28,8 @@ class ChunkedAttention : public frugal::Callback {
   /// Sets the chunked kernel on every attention module; a model with none gets a warning that
   /// the plugin changes nothing.
   void before_fit(frugal::Learner& l) override;
-  /// The modules get the plain kernel back (the exported model and evaluate compute as without).
+  /// The modules get back the kernel each had (the plain one, for the gpt: the exported model
+  /// and evaluate compute as without).
   void after_fit(frugal::Learner& l) override;
 
   /// Attention modules switched in the last fit.
@@ -35,6 +39,8 @@ class ChunkedAttention : public frugal::Callback {
   ChunkedAttentionOptions o_;
   std::shared_ptr<spdlog::logger> log_;
   int64_t modules_ = 0;
+  /// The modules switched and the kernel each had before the fit.
+  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, frugal::AttentionKernel>> before_;
 };
 
 }  // namespace frugal::chunked_attention

@@ -44,7 +44,8 @@ TEST(ChunkedAttentionKernel, OutputsAndGradientsEqualThePlainKernelForEveryTilin
   const torch::Tensor w = torch::randn({2, 3, 37, 8});
   const auto plain = attend_and_grad(in, [](const Qkv& a) { return plain_causal_attention(a.q, a.k, a.v, 0, true); }, w);
   // Tiles smaller than T, not dividing it, wider than tall, and one tile bigger than T.
-  for (auto [qc, kc] : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {5, 11}, {16, 3}, {1, 37}, {64, 64}}) {
+  for (const auto& tile : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {5, 11}, {16, 3}, {1, 37}, {64, 64}}) {
+    const int64_t qc = tile.first, kc = tile.second;  // not a structured binding: clang's lambdas cannot capture one
     const auto chunked =
         attend_and_grad(in, [&](const Qkv& a) { return chunked_causal_attention(a.q, a.k, a.v, qc, kc, 0, true); }, w);
     for (size_t i = 0; i < plain.size(); ++i)

@@ -34,12 +34,17 @@ void ChunkedLoss::before_fit(frugal::Learner& l) {
              head_->weight.size(0));
 }
 
-void ChunkedLoss::before_forward(frugal::Learner& l) {
-  if (head_) head_->set_fused(l.training());
-}
-
-void ChunkedLoss::after_forward(frugal::Learner&) {
-  if (head_) head_->set_fused(false);
+torch::Tensor ChunkedLoss::wrap_forward(frugal::Learner&, const torch::Tensor& x, const frugal::ForwardNext& next) {
+  if (!head_) return next(x);
+  head_->set_fused(true);
+  try {
+    torch::Tensor out = next(x);
+    head_->set_fused(false);
+    return out;
+  } catch (...) {
+    head_->set_fused(false);
+    throw;
+  }
 }
 
 void ChunkedLoss::after_batch(frugal::Learner&) {

@@ -23,10 +23,11 @@ class ChunkedLoss : public frugal::Callback {
   /// Finds the model's output layer (its last module, an LmHead) and wraps the Learner's loss; a
   /// model without one gets a warning that nothing changes.
   void before_fit(frugal::Learner& l) override;
-  /// Arms the head for this forward (training only): it keeps its input instead of the logits.
-  void before_forward(frugal::Learner& l) override;
-  /// Disarms it: a checkpoint's recompute in backward, validation and generate get logits.
-  void after_forward(frugal::Learner& l) override;
+  bool wraps_forward() const override { return true; }
+  /// Arms the head around the Learner's forward (the micro-batch probe's too): in training with
+  /// gradients it keeps its input instead of the logits. Disarmed after it, so a checkpoint's
+  /// recompute in backward gets logits; validation (eval, no gradients) gets them anyway.
+  torch::Tensor wrap_forward(frugal::Learner& l, const torch::Tensor& x, const frugal::ForwardNext& next) override;
   /// Drops an input a skipped batch left.
   void after_batch(frugal::Learner& l) override;
   /// The Learner's loss and the head's plain forward back.

@@ -89,7 +89,8 @@ TEST_F(Infer, ASentencePieceRunKeepsItsTokenizerForEvaluateAndGenerate) {
   const std::string spm = dir.file("spm-run");
   write_text(dir.file("spm.toml"), gpt_config(corpus, spm));
   const CliResult r = run_cli("train " + dir.file("spm.toml") +
-                              " --set 'data.tokenizer=\"sentencepiece\"' --set data.vocab_size=300");
+                              " --set 'data.tokenizer=\"sentencepiece\"' --set data.vocab_size=300"
+                              " --set run.checkpoint_epochs=1");
   if (r.output.find("AddressSanitizer build") != std::string::npos) GTEST_SKIP() << "no sentencepiece under ASan";
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ASSERT_TRUE(std::filesystem::exists(spm + "/tokenizer.model"));
@@ -110,6 +111,13 @@ TEST_F(Infer, ASentencePieceRunKeepsItsTokenizerForEvaluateAndGenerate) {
   const CliResult g = run_cli("--log-level warn generate " + spm + " --prompt 'the cat' --tokens 6 --samples 2 --seed 4");
   ASSERT_EQ(g.exit_code, 0) << g.output;
   EXPECT_NE(g.output.find("--- sample 2 of 2 ---\nthe cat"), std::string::npos) << g.output;
+  // A resume whose corpus changed would train another tokenizer: its ids would mean other text.
+  std::ofstream(corpus, std::ios::binary | std::ios::app) << "zebra quokka axolotl\n";
+  const CliResult resumed = run_cli("train " + dir.file("spm.toml") + " --set 'data.tokenizer=\"sentencepiece\"' " +
+                                    "--set data.vocab_size=300 --set run.checkpoint_epochs=1 --set stages.1.epochs=3 --resume " + spm);
+  EXPECT_NE(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("tokenizer.model: the tokenizer built for this resume differs"), std::string::npos)
+      << resumed.output;
   std::filesystem::remove(spm + "/tokenizer.model");
   const CliResult lost = run_cli("evaluate " + spm);
   EXPECT_NE(lost.exit_code, 0);

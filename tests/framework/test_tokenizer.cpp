@@ -16,6 +16,7 @@
 #include <random>
 
 #include "frugal/base/error.h"
+#include "frugal/data/data.h"
 #include "frugal/data/tokenizer.h"
 
 // An AddressSanitizer build cannot load SentencePiece (its shim needs RTLD_DEEPBIND, which the
@@ -344,6 +345,90 @@ TEST(Tokenizer, Gpt2ErrorsNameTheFile) {
   write_gpt2_files(dir, {"he"}, {"h e", "he"});
   e = error_of([&] { load_gpt2_bpe(enc, bpe); });
   EXPECT_NE(e.find("line 3: expected a merge"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace frugal
+
+namespace frugal {
+namespace {
+
+/// A protobuf varint at s[i]: its value; i moves past it.
+uint64_t varint(const std::string& s, size_t& i) {
+  uint64_t v = 0;
+  for (int shift = 0; i < s.size(); shift += 7) {
+    const auto b = static_cast<uint8_t>(s[i++]);
+    v |= static_cast<uint64_t>(b & 0x7F) << shift;
+    if (!(b & 0x80)) break;
+  }
+  return v;
+}
+
+/// Moves i past a field's value of wire type `tag & 7` (varint, 64-bit, length-delimited, 32-bit).
+void skip_value(const std::string& s, uint64_t tag, size_t& i) {
+  const uint64_t type = tag & 7;
+  if (type == 0) {
+    varint(s, i);
+  } else if (type == 2) {
+    i += varint(s, i);
+  } else {
+    i += type == 1 ? 8 : 4;
+  }
+}
+
+/// A model file whose normalizer adds a dummy prefix (as Llama's does): our trained model with
+/// NormalizerSpec.add_dummy_prefix (ModelProto field 3, its field 3) flipped from false to true.
+std::string with_dummy_prefix(std::string proto) {
+  for (size_t i = 0; i < proto.size();) {
+    const uint64_t tag = varint(proto, i);
+    if (tag != ((3 << 3) | 2)) {
+      skip_value(proto, tag, i);
+      continue;
+    }
+    const size_t end = i + varint(proto, i);  // normalizer_spec's bytes
+    for (size_t k = i; k + 1 < end;) {
+      const uint64_t t = varint(proto, k);
+      if (t == (3 << 3) && proto[k] == 0) {
+        proto[k] = 1;
+        return proto;
+      }
+      skip_value(proto, t, k);
+    }
+    i = end;
+  }
+  ADD_FAILURE() << "no add_dummy_prefix = false in the model";
+  return proto;
+}
+
+TEST(Tokenizer, ALossySentencePieceModelIsRefusedSayingWhatItChanges) {
+  SKIP_WITHOUT_SENTENCEPIECE();
+  TempFolder dir;
+  trained("bpe").save(dir.file("ok"));
+  fs::create_directories(dir.file("lossy"));
+  std::ofstream(dir.file("lossy/tokenizer.model"), std::ios::binary)
+      << with_dummy_prefix(read_bytes(dir.file("ok/tokenizer.model")));
+  EXPECT_NO_THROW(load_tokenizer("sentencepiece", dir.file("ok")));
+  const std::string e = error_of([&] { load_tokenizer("sentencepiece", dir.file("lossy")); });
+  EXPECT_NE(e.find("changes text"), std::string::npos) << e;
+  EXPECT_NE(e.find("add_dummy_prefix=false"), std::string::npos) << e;
+}
+
+/// A corpus past the text dataset's encoding piece (1 MiB) is encoded piece by piece, cut only
+/// where no token can span the cut: the same ids as encoding it whole.
+TEST(Tokenizer, ATextDatasetEncodesLongTextInPiecesAsItWouldWhole) {
+  SKIP_WITHOUT_SENTENCEPIECE();
+  std::string big;
+  while (big.size() < 2600000) big += corpus();
+  const std::shared_ptr<const Tokenizer> tok = train_sentencepiece(corpus(), 400, "bpe");
+  const Dataset d = text_dataset(big, 16, 0, true, "big", tok);
+  const auto whole = tok->encode(std::string_view(big).substr(0, big.size() - big.size() / 10));
+  ASSERT_EQ(d.tokens.numel(), static_cast<int64_t>(whole.size()));
+  EXPECT_TRUE(std::equal(whole.begin(), whole.end(), d.tokens.data_ptr<int32_t>()));
+  EXPECT_EQ(d.tokens.scalar_type(), torch::kInt);
+  EXPECT_EQ(d.num_classes, 400);
+  // Each token's bytes: a sum over the ids is the text's length.
+  EXPECT_EQ(d.token_bytes.index_select(0, d.tokens.to(torch::kLong)).sum().item<double>(),
+            static_cast<double>(big.size() - big.size() / 10));
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include <spdlog/spdlog.h>
 
@@ -174,10 +176,36 @@ std::vector<std::string> save_run_tokenizer(const std::string& out_dir, const Da
   return train.tokenizer ? train.tokenizer->save(out_dir) : std::vector<std::string>{};
 }
 
-std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data) {
+namespace {
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+}  // namespace
+
+void keep_run_tokenizer(const std::string& out_dir, const Dataset& train, bool resuming) {
+  if (!train.tokenizer) return;
+  const fs::path dir(out_dir), check = dir / ".tokenizer-check";
+  std::error_code ec;
+  fs::remove_all(check, ec);
+  const auto files = train.tokenizer->save(check.string());
+  std::string changed;
+  for (const auto& f : files)
+    if (resuming && fs::exists(dir / f, ec) && file_bytes(dir / f) != file_bytes(check / f)) changed = f;
+  fs::remove_all(check, ec);
+  if (!changed.empty())
+    throw Error(out_dir + "/" + changed + ": the tokenizer built for this resume differs from the one the run "
+                "trained with (the corpus or a data.tokenizer key changed since): its token ids would mean other "
+                "text. Resume with the same data, or start a new run");
+  save_run_tokenizer(out_dir, train);
+}
+
+std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data,
+                                               const std::string& config_kind) {
   const auto it = data.is_object() ? data.find("tokenizer") : data.end();
-  if (it == data.end() || it->value("kind", "bytes") == "bytes") return nullptr;
-  return load_tokenizer(it->value("kind", ""), run_dir);
+  const std::string kind = it != data.end() ? it->value("kind", "bytes") : config_kind;
+  if (kind == "bytes") return nullptr;
+  return load_tokenizer(kind, run_dir);
 }
 
 void write_run_data(const std::string& out_dir, const nlohmann::json& data) {

@@ -90,7 +90,7 @@ std::string too_short(const std::string& source, int64_t n, int64_t block_size, 
 torch::Tensor token_byte_counts(const Tokenizer& tok) {
   auto t = torch::empty({tok.vocab_size()}, torch::kFloat);
   auto* p = t.data_ptr<float>();
-  for (int32_t id = 0; id < tok.vocab_size(); ++id) p[id] = static_cast<float>(tok.decode({id}).size());
+  for (int32_t id = 0; id < tok.vocab_size(); ++id) p[id] = static_cast<float>(tok.token_text(id).size());
   return t;
 }
 
@@ -111,6 +111,19 @@ Dataset text_windows(torch::Tensor tokens, int64_t block_size, int64_t windows, 
   return d;
 }
 
+bool printable_ascii(char c) { return c > ' ' && c < 0x7F; }
+
+/// Where the next piece of `text` from `from` ends: past `from + 1 MiB`, after a newline between
+/// two printable ASCII characters ("a\nb"). No token of SentencePiece (line by line) or GPT-2's
+/// pattern (a lone newline between non-spaces is a token of its own) spans such a cut, so the
+/// pieces encode as the whole would, and the encoder's working memory stays a piece's.
+size_t piece_end(std::string_view text, size_t from) {
+  constexpr size_t kPiece = size_t{1} << 20;
+  for (size_t i = from + kPiece; i + 1 < text.size(); ++i)
+    if (text[i] == '\n' && printable_ascii(text[i - 1]) && printable_ascii(text[i + 1])) return i + 1;
+  return text.size();
+}
+
 /// `count` bytes of `corpus` from `first`: bytes (uint8) or, with a tokenizer, its ids (int32).
 torch::Tensor split_tokens(const std::string& corpus, int64_t first, int64_t count, const Tokenizer* tok) {
   if (!tok) {
@@ -118,7 +131,14 @@ torch::Tensor split_tokens(const std::string& corpus, int64_t first, int64_t cou
     std::copy_n(corpus.data() + first, count, t.data_ptr<uint8_t>());
     return t;
   }
-  const std::vector<int32_t> ids = tok->encode(std::string_view(corpus).substr(first, count));
+  const std::string_view text = std::string_view(corpus).substr(first, count);
+  std::vector<int32_t> ids;
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = piece_end(text, at);
+    const std::vector<int32_t> piece = tok->encode(text.substr(at, end - at));
+    ids.insert(ids.end(), piece.begin(), piece.end());
+    at = end;
+  }
   auto t = torch::empty({static_cast<int64_t>(ids.size())}, torch::kInt);
   std::copy(ids.begin(), ids.end(), t.data_ptr<int32_t>());
   return t;

@@ -175,6 +175,7 @@ class SentencePieceTokenizer : public Tokenizer {
     if (missing != byte_id_.end())
       throw_data_error("sentencepiece: " + source + " has no piece for byte " +
                        std::to_string(missing - byte_id_.begin()) + ": train it with byte_fallback=true");
+    check_lossless(source);
   }
   std::string kind() const override { return "sentencepiece"; }
   int64_t vocab_size() const override { return static_cast<int64_t>(surface_.size()); }
@@ -244,6 +245,18 @@ class SentencePieceTokenizer : public Tokenizer {
       spm().release(got);
       pos = end;
     }
+  }
+
+  /// A model that adds a dummy prefix, normalizes or collapses whitespace changes the text: its
+  /// tokens' bytes would not be the text's (bits per byte, generation). Refused.
+  void check_lossless(const std::string& source) const {
+    const std::string probe = "Ab c\n  d\te\u00e9 12.\n\nz";
+    const std::string back = decode(encode(probe));
+    if (back != probe)
+      throw_data_error("sentencepiece: " + source + " changes text (\"" + probe + "\" comes back as \"" + back +
+                       "\": a dummy prefix, normalization or collapsed whitespace); frugal needs a lossless "
+                       "model (identity normalization, add_dummy_prefix=false, remove_extra_whitespaces=false, "
+                       "byte_fallback=true): leave data.tokenizer_path empty to train one");
   }
 
   std::string proto_;  ///< the serialized model: what tokenizer.model holds

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -42,18 +43,18 @@ torch::Tensor next_tokens(torch::Tensor logits, const SampleOptions& o, at::Gene
   return at::multinomial(torch::softmax(logits, 1), 1, false, gen).squeeze(1);
 }
 
-/// Cuts `s.text` before the first stop string it ends with; true if it did.
+/// Cuts `s.text` before the earliest stop string that the last token (`added` bytes) completed;
+/// true if it did. A subword token may complete several: the text ends at the first of them.
 bool stopped(Sample& s, const std::vector<std::string>& stops, size_t added) {
+  size_t cut = std::string::npos;
   for (const auto& stop : stops) {
-    // A stop string ends somewhere inside the text the last token added (or just after it).
+    // A stop string ends somewhere inside the text the last token added.
     const size_t from = s.text.size() >= added + stop.size() ? s.text.size() - added - stop.size() + 1 : 0;
-    const size_t at = s.text.find(stop, from);
-    if (at != std::string::npos) {
-      s.text.resize(at);
-      return true;
-    }
+    cut = std::min(cut, s.text.find(stop, from));
   }
-  return false;
+  if (cut == std::string::npos) return false;
+  s.text.resize(cut);
+  return true;
 }
 
 }  // namespace

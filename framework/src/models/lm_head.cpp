@@ -12,9 +12,9 @@ using torch::autograd::variable_list;
 
 namespace {
 
-/// One chunk's logits in float: h_c w^T in h's dtype, then float for the softmax.
+/// One chunk's logits in float: h_c w^T in h's dtype (w already cast to it), then float.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64_t first, int64_t n) {
-  return torch::matmul(h.narrow(0, first, n), w.to(h.scalar_type()).t()).to(torch::kFloat);
+  return torch::matmul(h.narrow(0, first, n), w.t()).to(torch::kFloat);
 }
 
 struct ChunkedCrossEntropyFn : torch::autograd::Function<ChunkedCrossEntropyFn> {
@@ -22,11 +22,12 @@ struct ChunkedCrossEntropyFn : torch::autograd::Function<ChunkedCrossEntropyFn> 
                                const torch::Tensor& y, int64_t chunk) {
     compat::AutocastOff no_autocast(h.device().type());
     const int64_t n = h.size(0);
+    const auto wh = w.to(h.scalar_type());  // once, not per chunk
     auto lse = torch::empty({n}, h.options().dtype(torch::kFloat));
     auto total = torch::zeros({}, h.options().dtype(torch::kDouble));
     for (int64_t first = 0; first < n; first += chunk) {
       const int64_t rows = std::min(chunk, n - first);
-      const auto logits = chunk_logits(h, w, first, rows);
+      const auto logits = chunk_logits(h, wh, first, rows);
       const auto l = logits.logsumexp(1);
       lse.narrow(0, first, rows).copy_(l);
       total += (l - logits.gather(1, y.narrow(0, first, rows).unsqueeze(1)).squeeze(1)).sum().to(torch::kDouble);
@@ -42,16 +43,17 @@ struct ChunkedCrossEntropyFn : torch::autograd::Function<ChunkedCrossEntropyFn> 
     compat::AutocastOff no_autocast(h.device().type());
     const int64_t n = h.size(0), chunk = ctx->saved_data["chunk"].toInt();
     const auto scale = grads[0].to(torch::kFloat) / static_cast<double>(n);  // d mean / d row loss
+    const auto wh = w.to(h.scalar_type());
     auto dh = torch::empty_like(h);
     auto dw = torch::zeros(w.sizes(), w.options().dtype(torch::kFloat));
     for (int64_t first = 0; first < n; first += chunk) {
       const int64_t rows = std::min(chunk, n - first);
       // softmax - one_hot(y), times the upstream gradient over N
-      auto g = torch::exp(chunk_logits(h, w, first, rows) - lse.narrow(0, first, rows).unsqueeze(1));
+      auto g = torch::exp(chunk_logits(h, wh, first, rows) - lse.narrow(0, first, rows).unsqueeze(1));
       g.scatter_add_(1, y.narrow(0, first, rows).unsqueeze(1), torch::full({rows, 1}, -1.0f, g.options()));
       g.mul_(scale);
       const auto gh = g.to(h.scalar_type());
-      dh.narrow(0, first, rows).copy_(torch::matmul(gh, w.to(h.scalar_type())));
+      dh.narrow(0, first, rows).copy_(torch::matmul(gh, wh));
       dw.add_(torch::matmul(gh.t(), h.narrow(0, first, rows)).to(torch::kFloat));
     }
     return {dh, dw.to(w.scalar_type()), torch::Tensor(), torch::Tensor()};

@@ -104,9 +104,14 @@ void write_run_data(const std::string& out_dir, const nlohmann::json& data);
 /// A subword corpus' tokenizer files into out_dir (tokenizer.model; encoder.json + vocab.bpe),
 /// named by data.json's "tokenizer" {kind, vocab_size}; returns the files' names (none for bytes).
 std::vector<std::string> save_run_tokenizer(const std::string& out_dir, const Dataset& train);
-/// The tokenizer a run folder's data.json names, loaded from the folder; null for bytes (or a
-/// run from before tokenizers).
-std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data);
+/// When the run folder is claimed: a resume whose freshly built tokenizer differs from the one
+/// the folder keeps is refused (Error naming the file: the ids would mean other text); then the
+/// tokenizer is saved (so a run stopped early keeps it too).
+void keep_run_tokenizer(const std::string& out_dir, const Dataset& train, bool resuming);
+/// The tokenizer a run folder's data.json names (else `config_kind`, the run config's
+/// data.tokenizer: a run stopped before data.json), loaded from the folder; null for bytes.
+std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data,
+                                               const std::string& config_kind);
 
 /// A trained run, loaded back: its resolved config (with its plugins loaded, since a plugin may
 /// register the model), its model with the exported weights, in eval mode, and its data.json

@@ -6,6 +6,7 @@
 /// Every kind is lossless on the texts it is meant for: decode(encode(t)) == t byte for byte.
 /// Errors are DataError naming the file and what is wrong with it.
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -24,6 +25,14 @@ class Tokenizer {
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
   /// The bytes of `ids`; an id outside [0, vocab_size()) throws DataError naming it and the vocab size.
   virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
+  /// The bytes one id stands for; "" for an id no token has (a gap in a GPT-2 encoder.json).
+  std::string token_text(int32_t id) const {
+    try {
+      return decode({id});
+    } catch (const std::exception&) {
+      return {};
+    }
+  }
   /// Writes the files that load_tokenizer(kind(), folder) reads back (creating `folder`); returns
   /// their names (bytes: none). A failed write throws Error naming the file.
   virtual std::vector<std::string> save(const std::string& folder) const = 0;
@@ -46,7 +55,9 @@ std::unique_ptr<Tokenizer> byte_tokenizer();
 std::unique_ptr<Tokenizer> train_sentencepiece(const std::string& corpus, int64_t vocab_size,
                                                const std::string& model_type);
 /// A SentencePiece model file (tokenizer.model, as save() writes it). It must have the 256 byte
-/// pieces <0x00>..<0xFF> (trained with byte_fallback); decoding spells pieces with U+2581 as space.
+/// pieces <0x00>..<0xFF> (trained with byte_fallback) and be lossless (no dummy prefix, no
+/// normalization, whitespace kept: checked on a probe text, else DataError saying what it
+/// changed); decoding spells pieces with U+2581 as space.
 std::unique_ptr<Tokenizer> load_sentencepiece(const std::string& model_file);
 
 /// GPT-2's byte-level BPE from encoder.json + vocab.bpe (as downloaded from Hugging Face / OpenAI):
