@@ -162,8 +162,8 @@ int run_evaluate(const EvaluateArgs& a) {
   }
   // A subword run's tokenizer is read from its folder (data.json or its config names it), never
   // trained again.
-  if (const auto tok = run_tokenizer(a.run_dir, run.data, d.tokenizer)) {
-    d.tokenizer = tok->kind();
+  if (const std::string kind = run_tokenizer_kind(run.data, d.tokenizer); kind != "bytes") {
+    d.tokenizer = kind;
     d.tokenizer_path = a.run_dir;
     d.vocab_size = DataOptions().vocab_size;  // the folder's model has its own
     d.tokenizer_model = DataOptions().tokenizer_model;

@@ -419,7 +419,6 @@ int run_train(const TrainArgs& a, const std::shared_ptr<spdlog::logger>& log) {
   if (world.distributed() && (rc == 0 || rc == kExitInterrupted))
     extra["distributed"].update(rank_summary(*learner));
   if (!world.is_main()) return rc;  // rank 0 reports for the run
-  save_run_tokenizer(cfg.run.out_dir, learner->train_data().dataset());  // before data.json names it
   write_run_data(cfg.run.out_dir, run_data(cfg, learner->train_data().dataset()));
   auto report = make_report(*learner, cfg, extra);
   write_report(cfg.run.out_dir, report, cfg);

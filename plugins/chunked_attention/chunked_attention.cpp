@@ -19,8 +19,11 @@ void ChunkedAttention::before_fit(frugal::Learner& l) {
   k.key_chunk = o_.key_chunk > 0 ? o_.key_chunk : o_.query_chunk;
   before_.clear();
   for (const auto& m : l.model()->modules(/*include_self=*/true))
-    if (auto* a = dynamic_cast<frugal::AttentionModule*>(m.get())) before_.emplace_back(m, a->attention_kernel());
-  modules_ = frugal::set_attention_kernel(*l.model(), k);
+    if (auto* a = dynamic_cast<frugal::AttentionModule*>(m.get())) {
+      before_.emplace_back(m, a->attention_kernel());
+      a->attention_kernel() = k;
+    }
+  modules_ = static_cast<int64_t>(before_.size());
   if (modules_ == 0) {
     log_->warn("nothing to do: the model has no attention module it can switch (a module deriving from "
                "frugal::AttentionModule, as the gpt's attention does); it trains as without the plugin");

@@ -200,10 +200,14 @@ void keep_run_tokenizer(const std::string& out_dir, const Dataset& train, bool r
   save_run_tokenizer(out_dir, train);
 }
 
+std::string run_tokenizer_kind(const nlohmann::json& data, const std::string& config_kind) {
+  const auto it = data.is_object() ? data.find("tokenizer") : data.end();
+  return it != data.end() ? it->value("kind", "bytes") : config_kind;
+}
+
 std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data,
                                                const std::string& config_kind) {
-  const auto it = data.is_object() ? data.find("tokenizer") : data.end();
-  const std::string kind = it != data.end() ? it->value("kind", "bytes") : config_kind;
+  const std::string kind = run_tokenizer_kind(data, config_kind);
   if (kind == "bytes") return nullptr;
   return load_tokenizer(kind, run_dir);
 }

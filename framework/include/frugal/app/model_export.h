@@ -108,6 +108,8 @@ std::vector<std::string> save_run_tokenizer(const std::string& out_dir, const Da
 /// the folder keeps is refused (Error naming the file: the ids would mean other text); then the
 /// tokenizer is saved (so a run stopped early keeps it too).
 void keep_run_tokenizer(const std::string& out_dir, const Dataset& train, bool resuming);
+/// The kind of tokenizer a run folder's data.json names, else `config_kind` (the run config's).
+std::string run_tokenizer_kind(const nlohmann::json& data, const std::string& config_kind);
 /// The tokenizer a run folder's data.json names (else `config_kind`, the run config's
 /// data.tokenizer: a run stopped before data.json), loaded from the folder; null for bytes.
 std::shared_ptr<const Tokenizer> run_tokenizer(const std::string& run_dir, const nlohmann::json& data,
