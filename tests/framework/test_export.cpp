@@ -226,14 +226,16 @@ TEST(ModelExport, ARunFolderWithoutAModelOrWithAnotherModelIsRefusedNamingTheFil
   const std::string mlp = dir.file("mlp-run"), cnn = dir.file("cnn-run");
   train(dir, mlp, "mlp");
   train(dir, cnn, "cnn");
-  // The cnn run's config with the mlp's weights: every shape is checked before loading.
-  std::filesystem::copy_file(mlp + "/model.pt", cnn + "/model.pt",
+  // The cnn run's config with the mlp's weights (read from model.safetensors, not model.pt's
+  // TorchScript): every name and shape is checked before loading.
+  std::filesystem::copy_file(mlp + "/model.safetensors", cnn + "/model.safetensors",
                              std::filesystem::copy_options::overwrite_existing);
   try {
     load_run_model(cnn);
     ADD_FAILURE() << "loaded another model's weights";
   } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find(cnn + "/model.pt"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(cnn + "/model.safetensors does not fit the run's model"),
+              std::string::npos) << e.what();
   }
   std::filesystem::remove(cnn + "/model.pt");
   try {

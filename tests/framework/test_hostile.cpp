@@ -8,6 +8,8 @@
 #include <random>
 #include <typeinfo>
 
+#include <zlib.h>
+
 #include "cli_support.h"
 #include "learner_fixture.h"
 
@@ -403,6 +405,43 @@ TEST(Hostile, AnUnsealedArchiveWithAChangedRecordIsRefusedBeforeLibTorchReadsIt)
   // The unchanged archive passes the check (and is not a frugal model: no "model" record).
   EXPECT_NE(checkpoint_error_of([&] { l->load(dir.file("plain.ckpt"), false); }).find("has no model"),
             std::string::npos);
+}
+
+// Found by fuzz/checkpoint.cpp: the fuzzer learns to write a seal that matches its changes
+// (it sees the comparison), so a sealed file can hold what LibTorch's writer never makes. A
+// changed TorchScript record crashed LibTorch's importer (SEGV in parseClassConstant); an
+// archive whose records were outside its folder, or without a version, leaked LibTorch's zip
+// reader. zip_records.h checks the structure before LibTorch reads: each is refused, named.
+TEST(Hostile, ASealedArchiveLibTorchWouldNotWriteIsRefusedNamingWhy) {
+  TempDir dir;
+  auto l = make_tiny_learner();
+  l->save(dir.file("good.ckpt"), false);
+  const std::string bytes = read_bytes(dir.file("good.ckpt"));
+  struct Change {
+    std::string from, to, why;
+  };
+  // Each replacement keeps the length, so only the named thing changes.
+  const std::vector<Change> changes = {
+      {"  weight : Tensor", "  w : int = 3.0 #", "is not an attribute declaration"},
+      {"/version", "/versiom", "has no version record"},
+  };
+  for (const Change& c : changes) {
+    std::string b = bytes;
+    const size_t at = b.find(c.from);
+    ASSERT_NE(at, std::string::npos) << c.from;
+    for (size_t k = at; (k = b.find(c.from, k)) != std::string::npos; k += c.to.size()) b.replace(k, c.to.size(), c.to);
+    // Sealed anew as file_seal.cpp does: the CRC32 of every byte before the comment's length.
+    b.resize(b.size() - 21);
+    char seal[32];
+    std::snprintf(seal, sizeof(seal), "frugal-crc32 %08lx",
+                  crc32(0L, reinterpret_cast<const Bytef*>(b.data()), static_cast<uInt>(b.size() - 2)));
+    b += seal;
+    const std::string path = dir.file("forged.ckpt");
+    write_bytes(path, b);
+    const std::string msg = checkpoint_error_of([&] { l->load(path, false); });
+    EXPECT_NE(msg.find("'" + path + "' is not an archive LibTorch wrote"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(c.why), std::string::npos) << c.from << ": " << msg;
+  }
 }
 
 /// Flips `trials` single bits at random offsets of the file `good` (a sealed archive) and

@@ -155,17 +155,20 @@ TEST_F(Infer, RefusesAFolderWithoutAModelOrOfAnImageModelOrACorruptFile) {
   ASSERT_EQ(ev.exit_code, 0) << ev.output;
   EXPECT_NE(ev.output.find("\"accuracy\""), std::string::npos) << ev.output;
 
-  {  // a flipped byte in the middle of the weights' file
-    std::fstream f(run + "/model.pt", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(64);
+  // The weights are read from model.safetensors (each tensor's CRC checked).
+  const std::string weights = run + "/model.safetensors";
+  {  // a changed byte at the end of the weights' file (a tensor's bytes)
+    std::fstream f(weights, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(std::filesystem::file_size(weights)) - 3);
     f.put('\x7f');
-    f.seekp(200);
-    f.write("garbage!", 8);
   }
-  std::filesystem::resize_file(run + "/model.pt", std::filesystem::file_size(run + "/model.pt") / 2);
+  const CliResult changed = run_cli("evaluate " + run);
+  EXPECT_NE(changed.exit_code, 0) << changed.output;
+  EXPECT_NE(changed.output.find(weights + "' is damaged"), std::string::npos) << changed.output;
+  std::filesystem::resize_file(weights, std::filesystem::file_size(weights) / 2);
   const CliResult bad = run_cli("evaluate " + run);
   EXPECT_NE(bad.exit_code, 0) << bad.output;
-  EXPECT_NE(bad.output.find(run + "/model.pt"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find(weights), std::string::npos) << bad.output;
 }
 
 }  // namespace

@@ -183,7 +183,7 @@ TEST_F(Model, UnknownArchNamesNearest) {
   auto msg = model_config_error([] { make_model(arch("resnte"), input(1, 10, {28})); });
   EXPECT_NE(msg.find("unknown model 'resnte'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("did you mean 'resnet'?"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("cnn, gpt, mlp, resnet, vit"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cnn, gpt, gpt2, mlp, resnet, vit"), std::string::npos) << msg;
 }
 
 TEST_F(Model, ResnetWidthAndDepthChangeParameterCount) {
@@ -201,7 +201,7 @@ TEST_F(Model, ResnetWidthAndDepthChangeParameterCount) {
 // ---- registries ----------------------------------------------------------------------------
 
 TEST_F(Model, RegistriesHoldTheBuiltins) {
-  EXPECT_EQ(models().names(), (std::vector<std::string>{"cnn", "gpt", "mlp", "resnet", "vit"}));
+  EXPECT_EQ(models().names(), (std::vector<std::string>{"cnn", "gpt", "gpt2", "mlp", "resnet", "vit"}));
   EXPECT_EQ(models().get("cnn").owner, "frugal");
   EXPECT_TRUE(losses().contains("cross_entropy"));
   EXPECT_TRUE(datasets().contains("fashion-mnist"));
@@ -246,7 +246,7 @@ TEST_F(Model, AKeyTheChosenEntryDoesNotReadIsAnErrorUnlessTheEntryDeclaresNothin
   d.dataset = "synthetic";
   EXPECT_EQ(error_of(d, m), "(no error)") << "synthetic reads samples";
   m.n_embd = 64;
-  EXPECT_NE(error_of(d, m).find("model.n_embd = 64: the model 'mlp' does not read it (model.n_embd is read by gpt)"),
+  EXPECT_NE(error_of(d, m).find("model.n_embd = 64: the model 'mlp' does not read it (model.n_embd is read by gpt, gpt2)"),
             std::string::npos);
   m = arch("mlp");
   StageOptions text_stage;

@@ -14,6 +14,8 @@
 #include "frugal/data/tokenizer.h"
 #include "frugal/io/file_writer.h"
 #include "frugal/io/safetensors.h"
+#include "frugal/io/weights.h"
+#include "frugal/models/linear.h"
 #include "frugal/models/registry.h"
 #include "frugal/models/script.h"
 #include "io/archive.h"
@@ -86,12 +88,21 @@ void export_model(const torch::nn::Module& model, const std::string& path,
   define_forward(a, model, data);
   archive::write_file(a, path);
   metadata.emplace("format", "pt");  // what safetensors.torch.load_file expects of PyTorch weights
-  safetensors::write(fs::path(path).replace_extension(".safetensors").string(),
-                     safetensors::state_dict(model), metadata);
+  auto tensors = safetensors::state_dict(model);
+  const auto arch = metadata.find("frugal.model.arch");
+  const auto names = arch == metadata.end() ? std::nullopt : weight_names(arch->second);
+  if (names) {  // the names other tools know this model by (gpt2: Hugging Face's), and its config
+    for (auto& [name, t] : tensors) name = names->to_file(name);
+    if (names->config_json)
+      write_file_atomic((fs::path(path).parent_path() / "config.json").string(), names->config_json(model));
+  }
+  safetensors::write(fs::path(path).replace_extension(".safetensors").string(), tensors, metadata);
 }
 
 void export_weights(Learner& l, const std::string& path, std::map<std::string, std::string> metadata,
                     const nlohmann::json& data) {
+  const AdaptersMerged plain(*l.model());  // lora's adapters folded in, for this export only
+  if (plain.size() > 0) metadata["frugal.adapters_merged"] = std::to_string(plain.size());
   export_model(*l.model(), path, std::move(metadata), data);
 }
 
@@ -259,9 +270,16 @@ RunModel load_run_model(const std::string& run_dir, const torch::Device& device)
   r.model = r.data.is_object() ? built_for(r.loaded.config, r.data["input"])
                                : make_config_model(r.loaded.config);
   r.model->to(device);
-  archive::InputArchive a;
-  archive::open(weights.string(), device, a);
-  archive::load_model(*r.model, a, weights.string());
+  // The weights from model.safetensors (each tensor's CRC checked; our reader), not model.pt,
+  // whose TorchScript code LibTorch would parse: a hand-made file could crash that parser.
+  const fs::path safetensors = dir / "model.safetensors";
+  if (!fs::is_regular_file(safetensors, ec))
+    throw CheckpointError(safetensors.string() + ": missing (a run writes it beside model.pt)");
+  try {
+    init_weights(*r.model, safetensors.string(), /*strict=*/true, {}, weight_names(r.loaded.config.model.arch));
+  } catch (const ConfigError& e) {
+    throw CheckpointError(safetensors.string() + " does not fit the run's model: " + e.what());
+  }
   r.model->eval();
   return r;
 }

@@ -322,7 +322,8 @@ void init_model(const Config& c, torch::nn::Module& model) {
   if (c.model.init_from.empty()) return;
   try {
     const InitReport r = named(c, "model.init_from", [&] {
-      return init_weights(model, c.model.init_from, c.model.init_strict, c.model.init_prefixes);
+      return init_weights(model, c.model.init_from, c.model.init_strict, c.model.init_prefixes,
+                          weight_names(c.model.arch));
     });
     spdlog::info("model.init_from: {}", r.summary());
   } catch (const CheckpointError& e) {
@@ -366,6 +367,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   if (world.distributed()) learner->set_collective(world);
+  learner->set_run_info({c.run.out_dir, c.model.arch});
   learner->set_max_batches(c.run.max_steps);
   add_checkpointing(c, *learner, stop);
   if (world.distributed())

@@ -68,8 +68,15 @@ void Learner::add_callback(std::shared_ptr<Callback> cb) {
   if (!violation.empty()) throw_config_error(violation);
   auto pos = std::upper_bound(callbacks_.begin(), callbacks_.end(), cb,
                               [](const auto& a, const auto& b) { return a->order() < b->order(); });
-  callbacks_.insert(pos, std::move(cb));
+  Callback& added = **callbacks_.insert(pos, cb);
   rebuild_forward_wrappers();
+  try {
+    call_guarded(added, "attach", [&] { added.attach(*this); });
+  } catch (...) {
+    callbacks_.erase(std::find(callbacks_.begin(), callbacks_.end(), cb));
+    rebuild_forward_wrappers();
+    throw;
+  }
 }
 
 void Learner::rebuild_forward_wrappers() {
@@ -256,6 +263,7 @@ void Learner::freeze(const std::vector<std::string>& prefixes) {
   for (auto& np : live().model_->named_parameters()) {
     for (const auto& prefix : prefixes) {
       if (np.key().rfind(prefix, 0) == 0) {
+        if (np.value().requires_grad()) frozen_by_freeze_.insert(np.value().unsafeGetTensorImpl());
         np.value().set_requires_grad(false);
         np.value().mutable_grad().reset();
         break;
@@ -265,7 +273,10 @@ void Learner::freeze(const std::vector<std::string>& prefixes) {
 }
 
 void Learner::unfreeze() {
-  for (auto& p : live().model_->parameters()) p.set_requires_grad(true);
+  // Only what freeze() froze: a parameter a callback keeps frozen (lora's base weights) stays.
+  for (auto& p : live().model_->parameters())
+    if (frozen_by_freeze_.count(p.unsafeGetTensorImpl())) p.set_requires_grad(true);
+  frozen_by_freeze_.clear();
 }
 
 void check_freeze_prefixes(const torch::nn::Module& model, const std::vector<StageOptions>& stages) {

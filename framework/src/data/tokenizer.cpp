@@ -563,7 +563,11 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind, const std::st
   const auto in = [&](const char* name) { return (std::filesystem::path(folder) / name).string(); };
   if (kind == "bytes") return byte_tokenizer();
   if (kind == "sentencepiece") return load_sentencepiece(in("tokenizer.model"));
-  if (kind == "gpt2") return load_gpt2_bpe(in("encoder.json"), in("vocab.bpe"));
+  if (kind == "gpt2") {
+    // OpenAI's names, or Hugging Face's for the same two files (a downloaded GPT-2 folder).
+    const bool hf = !std::filesystem::exists(in("encoder.json")) && std::filesystem::exists(in("vocab.json"));
+    return hf ? load_gpt2_bpe(in("vocab.json"), in("merges.txt")) : load_gpt2_bpe(in("encoder.json"), in("vocab.bpe"));
+  }
   throw_data_error("tokenizer: unknown kind '" + kind + "'; allowed: \"bytes\", \"sentencepiece\", \"gpt2\"");
 }
 

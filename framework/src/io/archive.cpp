@@ -9,6 +9,7 @@
 #include "frugal/base/error.h"
 #include "frugal/io/file_writer.h"
 #include "io/file_seal.h"
+#include "io/zip_records.h"
 
 namespace frugal::archive {
 
@@ -69,6 +70,7 @@ std::string changed_tensors(const std::string& path, const std::vector<seal::Cha
     if (r.name.rfind("data/", 0) != 0 || r.bytes.empty()) return "";
   std::string names;
   try {
+    zip::check_file(path);
     InputArchive a;
     a.load_from(path, torch::kCPU);
     for (const auto& r : records) {
@@ -171,10 +173,13 @@ void read_rank_optimizer(InputArchive& a, int rank, InputArchive& out, const tor
     throw error(path, "has a damaged '" + rank_optimizer_key(rank) + "' record");
   t = t.contiguous();
   try {
+    zip::check_bytes(static_cast<const unsigned char*>(t.data_ptr()), static_cast<uint64_t>(t.numel()));
     out.load_from(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()), device);
   } catch (const c10::Error& e) {
     throw error(path, "has a damaged '" + rank_optimizer_key(rank) + "' record: " +
                           first_line(e.what_without_backtrace()));
+  } catch (const std::runtime_error& e) {  // zip::check_bytes
+    throw error(path, "has a damaged '" + rank_optimizer_key(rank) + "' record: " + e.what());
   }
 }
 
@@ -229,6 +234,11 @@ void open(const std::string& path, const torch::Device& device, InputArchive& a)
     seal::verify_zip(path);  // a flipped bit is refused before LibTorch reads a number
   } catch (const seal::SealError& e) {
     throw CheckpointError(e.what() + changed_tensors(path, e.records()) + seal::kDamageAdvice);
+  }
+  try {
+    zip::check_file(path);  // LibTorch's readers trust the structure (zip_records.h)
+  } catch (const std::runtime_error& e) {
+    throw error(path, "is not an archive LibTorch wrote: " + std::string(e.what()));
   }
   try {
     a.load_from(path, device);

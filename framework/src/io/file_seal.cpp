@@ -14,14 +14,13 @@
 
 #include "frugal/base/error.h"
 #include "frugal/io/file_writer.h"
+#include "io/zip_records.h"
 
 namespace frugal::seal {
 
 namespace {
 
-constexpr uint32_t kEndSignature = 0x06054b50;  // end of central directory
-constexpr uint32_t kCentralSignature = 0x02014b50;
-constexpr uint32_t kLocalSignature = 0x04034b50;
+constexpr unsigned char kEndSignature[4] = {'P', 'K', 5, 6};  // end of central directory
 constexpr size_t kEndSize = 22;                  // without the comment
 constexpr const char* kPrefix = "frugal-crc32 ";
 constexpr size_t kSealSize = 13 + 8;             // prefix + 8 hex digits
@@ -30,23 +29,13 @@ CheckpointError damaged(const std::string& path, const std::string& what) {
   return CheckpointError("checkpoint '" + path + "' is damaged: " + what + kDamageAdvice);
 }
 
-uint32_t le32(const unsigned char* p) {
-  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
-}
-uint16_t le16(const unsigned char* p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
-
 // `size` bytes at `offset`; empty when they are not all inside the file (sizes read from a
 // damaged directory must not allocate what the file does not hold).
 std::vector<unsigned char> read_range(std::ifstream& f, uint64_t offset, uint64_t size) {
   f.clear();
   f.seekg(0, std::ios::end);
-  const auto file_size = static_cast<uint64_t>(f.tellg());
-  if (offset > file_size || size > file_size - offset) return {};
-  std::vector<unsigned char> buf(static_cast<size_t>(size));
-  f.clear();
-  f.seekg(static_cast<std::streamoff>(offset));
-  f.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(size));
-  if (static_cast<uint64_t>(f.gcount()) != size) buf.clear();
+  std::vector<unsigned char> buf;
+  if (!zip::file_reader(f, static_cast<uint64_t>(f.tellg()))(offset, size, buf)) buf.clear();
   return buf;
 }
 
@@ -77,21 +66,8 @@ struct End {
   uint16_t comment = 0;   // its comment's length
 };
 
-// The end record: its signature at `offset`, its comment reaching exactly the end of the file.
 bool find_end(std::ifstream& f, uint64_t size, End& e) {
-  if (size < kEndSize) return false;
-  const uint64_t span = std::min<uint64_t>(size, kEndSize + 0xFFFF);
-  const auto tail = read_range(f, size - span, span);
-  if (tail.empty()) return false;
-  for (uint64_t i = span - kEndSize + 1; i-- > 0;) {
-    const unsigned char* p = tail.data() + i;
-    if (le32(p) == kEndSignature && i + kEndSize + le16(p + 20) == span) {
-      e.offset = size - span + i;
-      e.comment = le16(p + 20);
-      return true;
-    }
-  }
-  return false;
+  return zip::find_end(zip::file_reader(f, size), size, e.offset, e.comment);
 }
 
 // A sealed archive whose end record no longer fits the file (a changed comment length): some
@@ -101,39 +77,27 @@ bool sealed_end_damaged(std::ifstream& f, uint64_t size) {
   const auto tail = read_range(f, size - span, span);
   const std::string prefix(kPrefix);
   for (uint64_t i = 0; i + kEndSize + prefix.size() <= tail.size(); ++i)
-    if (le32(tail.data() + i) == kEndSignature &&
+    if (std::equal(kEndSignature, kEndSignature + 4, tail.begin() + static_cast<std::ptrdiff_t>(i)) &&
         std::equal(prefix.begin(), prefix.end(), tail.begin() + static_cast<std::ptrdiff_t>(i + kEndSize)))
       return true;
   return false;
 }
 
 // Which records' bytes no longer match the CRC the zip writer stored for them.
-std::vector<ChangedRecord> changed_records(std::ifstream& f, uint64_t end_offset) {
+std::vector<ChangedRecord> changed_records(std::ifstream& f, uint64_t size) {
   std::vector<ChangedRecord> out;
-  const auto end = read_range(f, end_offset, kEndSize);
-  if (end.empty()) return out;
-  const uint16_t entries = le16(end.data() + 10);
-  const uint32_t dir_size = le32(end.data() + 12), dir_offset = le32(end.data() + 16);
-  if (dir_offset == 0xFFFFFFFF || dir_size == 0xFFFFFFFF) return out;  // zip64: not named
-  const auto dir = read_range(f, dir_offset, dir_size);
-  size_t at = 0;
-  for (uint16_t k = 0; k < entries && at + 46 <= dir.size(); ++k) {
-    const unsigned char* p = dir.data() + at;
-    if (le32(p) != kCentralSignature) break;
-    const uint16_t method = le16(p + 10);  // 0 = stored (tensors); the CRC is of the stored bytes
-    const uint32_t crc = le32(p + 16), csize = le32(p + 20), local = le32(p + 42);
-    const uint16_t name_len = le16(p + 28), extra_len = le16(p + 30), comment_len = le16(p + 32);
-    const std::string name(reinterpret_cast<const char*>(p + 46),
-                           std::min<size_t>(name_len, dir.size() - at - 46));
-    at += 46 + name_len + extra_len + comment_len;
-    const auto head = read_range(f, local, 30);
-    if (method != 0 || head.empty() || le32(head.data()) != kLocalSignature) continue;
-    const uint64_t data = uint64_t{local} + 30 + le16(head.data() + 26) + le16(head.data() + 28);
-    if (crc_of(f, data, csize) == crc) continue;
+  for (const zip::Record& r : zip::records(zip::file_reader(f, size), size)) {
     // "<archive>/data/3": the bytes of the archive's fourth tensor storage.
-    const size_t slash = name.find('/');
-    out.push_back({slash == std::string::npos ? name : name.substr(slash + 1),
-                   out.size() < 8 ? read_range(f, data, csize) : std::vector<unsigned char>{}});
+    const size_t slash = r.name.find('/');
+    const std::string name = slash == std::string::npos ? r.name : r.name.substr(slash + 1);
+    if (r.method == 0 && r.size == r.stored_size) {  // tensors: CRC'd without a copy
+      if (!r.local_ok || crc_of(f, r.data, r.stored_size) == r.crc) continue;
+      out.push_back({name, out.size() < 8 ? read_range(f, r.data, r.stored_size) : std::vector<unsigned char>{}});
+    } else if (!zip::intact(zip::file_reader(f, size), r, uint64_t{1} << 26)) {
+      // A deflated code record that changed, or another method or size: LibTorch takes a
+      // record's length from its size without checking the CRC.
+      out.push_back({name, {}});
+    }
   }
   return out;
 }
@@ -179,7 +143,7 @@ Seal verify_zip(const std::string& path) {
   if (e.comment == 0) {
     // Written before seals: the zip's own CRC32 of each record still tells changed bytes in a
     // record, which LibTorch's reader does not check (a changed TorchScript record crashed it).
-    std::vector<ChangedRecord> records = changed_records(f, e.offset);
+    std::vector<ChangedRecord> records = changed_records(f, size);
     if (records.empty()) return Seal::Absent;
     std::string names;
     for (const auto& r : records) names += (names.empty() ? "" : ", ") + r.name;
@@ -193,7 +157,7 @@ Seal verify_zip(const std::string& path) {
   const uint32_t now = crc_of(f, 0, e.offset + kEndSize - 2);
   if (text == seal_text(now)) return Seal::Verified;  // byte for byte: a changed seal never passes
   const uint32_t stored = static_cast<uint32_t>(std::strtoul(text.c_str() + 13, nullptr, 16));
-  std::vector<ChangedRecord> records = changed_records(f, e.offset);
+  std::vector<ChangedRecord> records = changed_records(f, size);
   std::string names;
   for (const auto& r : records) names += (names.empty() ? "" : ", ") + r.name;
   char crcs[64];

@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
+
+#include <nlohmann/json.hpp>
 
 #include "frugal/base/error.h"
 #include "frugal/io/safetensors.h"
@@ -46,10 +49,12 @@ std::string weights_file(const std::string& from) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::is_directory(from, ec)) {
-    const std::string in_run = (fs::path(from) / "model.safetensors").string();
-    if (fs::is_regular_file(in_run, ec)) return in_run;
-    throw CheckpointError("'" + from + "' is a folder without a model.safetensors (a finished "
-                          "run writes one)");
+    for (const char* name : {"model.safetensors", "model.safetensors.index.json"}) {
+      const std::string in = (fs::path(from) / name).string();
+      if (fs::is_regular_file(in, ec)) return in;
+    }
+    throw CheckpointError("'" + from + "' is a folder without a model.safetensors or a "
+                          "model.safetensors.index.json (a finished run writes the first)");
   }
   if (!fs::is_regular_file(from, ec))
     throw CheckpointError("'" + from + "': no such file or run folder");
@@ -59,11 +64,68 @@ std::string weights_file(const std::string& from) {
   return from;
 }
 
+namespace {
+/// A sharded checkpoint: {"weight_map": {tensor: shard file}} beside its shards.
+std::map<std::string, torch::Tensor> read_sharded(const std::string& index) {
+  std::ifstream in(index);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw CheckpointError("'" + index + "' is not a safetensors index (no \"weight_map\" object)");
+  std::map<std::string, std::string> shard_of;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos)
+      throw CheckpointError("'" + index + "': tensor '" + name + "' names no shard file beside the index");
+    shard_of[name] = file.get<std::string>();
+  }
+  std::map<std::string, std::map<std::string, torch::Tensor>> shards;
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, file] : shard_of) {
+    if (!shards.count(file))
+      shards[file] = safetensors::read((std::filesystem::path(index).parent_path() / file).string());
+    auto it = shards[file].find(name);
+    if (it == shards[file].end())
+      throw CheckpointError("'" + index + "' puts tensor '" + name + "' in " + file + ", which does not hold it");
+    out[name] = it->second;
+  }
+  return out;
+}
+}  // namespace
+
+std::map<std::string, torch::Tensor> read_weights(const std::string& from) {
+  const std::string file = weights_file(from);
+  const std::string suffix = ".index.json";
+  if (file.size() > suffix.size() && file.compare(file.size() - suffix.size(), suffix.size(), suffix) == 0)
+    return read_sharded(file);
+  return safetensors::read(file);
+}
+
+namespace {
+/// The file's tensors under the model's names (names->from_file); a name two file tensors give
+/// (a tied head beside its embedding) keeps one, when they are equal.
+std::map<std::string, torch::Tensor> by_model_names(std::map<std::string, torch::Tensor> file,
+                                                    const std::optional<WeightNames>& names,
+                                                    const std::string& path) {
+  if (!names) return file;
+  std::map<std::string, torch::Tensor> out;
+  std::map<std::string, std::string> first;  // model name -> the file name that gave it
+  for (auto& [file_name, t] : file) {
+    const std::string name = names->from_file(file_name);
+    if (name.empty()) continue;  // held by design elsewhere (an attention mask)
+    auto [it, fresh] = out.emplace(name, t);
+    if (fresh) first[name] = file_name;
+    else if (!(it->second.sizes().equals(t.sizes()) && torch::equal(it->second.to(torch::kFloat), t.to(torch::kFloat))))
+      throw_config_error("'" + path + "': '" + first[name] + "' and '" + file_name + "' differ, and both are the "
+                         "model's '" + name + "' (a head that is not tied to its embedding?)");
+  }
+  return out;
+}
+}  // namespace
+
 InitReport init_weights(torch::nn::Module& model, const std::string& from, bool strict,
-                        const std::vector<std::string>& prefixes) {
+                        const std::vector<std::string>& prefixes, const std::optional<WeightNames>& names) {
   InitReport r;
   r.file = weights_file(from);
-  const std::map<std::string, torch::Tensor> file = safetensors::read(r.file);
+  const std::map<std::string, torch::Tensor> file = by_model_names(read_weights(from), names, r.file);
   std::map<std::string, torch::Tensor> own;
   for (const auto& [name, t] : safetensors::state_dict(model))
     if (under(name, prefixes)) own.emplace(name, t);

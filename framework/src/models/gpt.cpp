@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "frugal/models/attention.h"
+#include "frugal/models/linear.h"
 #include "frugal/models/lm_head.h"
 #include "models/script_builtins.h"
 
@@ -41,11 +42,11 @@ TORCH_MODULE(Embed);
 
 /// Multi-head causal self-attention written with matmuls (the same in LibTorch 1.13 and 2.x).
 struct CausalSelfAttentionImpl : nn::Module, AttentionModule {
-  CausalSelfAttentionImpl(int64_t width, int64_t n_head, double dropout)
+  CausalSelfAttentionImpl(int64_t width, int64_t n_head, double dropout, WeightLayout layout)
       : heads(n_head),
         p(dropout),
-        c_attn(register_module("c_attn", nn::Linear(width, 3 * width))),
-        c_proj(register_module("c_proj", nn::Linear(width, width))) {}
+        c_attn(register_module("c_attn", AdaptableLinear(width, 3 * width, true, layout))),
+        c_proj(register_module("c_proj", AdaptableLinear(width, width, true, layout))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
     auto qkv = c_attn(x).reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4});
@@ -55,33 +56,33 @@ struct CausalSelfAttentionImpl : nn::Module, AttentionModule {
   }
   int64_t heads;
   double p;
-  nn::Linear c_attn, c_proj;
+  AdaptableLinear c_attn, c_proj;
 };
 TORCH_MODULE(CausalSelfAttention);
 
 struct MlpImpl : nn::Module {
-  MlpImpl(int64_t width, double dropout)
+  MlpImpl(int64_t width, double dropout, const GptStyle& s)
       : p(dropout),
-        c_fc(register_module("c_fc", nn::Linear(width, 4 * width))),
-        act(register_module("act", nn::GELU())),
-        c_proj(register_module("c_proj", nn::Linear(4 * width, width))) {}
+        c_fc(register_module("c_fc", AdaptableLinear(width, 4 * width, true, s.layout))),
+        act(register_module("act", nn::GELU(nn::GELUOptions().approximate(s.gelu)))),
+        c_proj(register_module("c_proj", AdaptableLinear(4 * width, width, true, s.layout))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     return drop(c_proj(act(c_fc(x))), p, is_training());
   }
   double p;
-  nn::Linear c_fc;
+  AdaptableLinear c_fc;
   nn::GELU act;
-  nn::Linear c_proj;
+  AdaptableLinear c_proj;
 };
 TORCH_MODULE(Mlp);
 
 /// Pre-LayerNorm block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
 struct GptBlockImpl : nn::Module {
-  GptBlockImpl(int64_t width, int64_t heads, double p)
-      : ln_1(register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({width})))),
-        attn(register_module("attn", CausalSelfAttention(width, heads, p))),
-        ln_2(register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({width})))),
-        mlp(register_module("mlp", Mlp(width, p))) {}
+  GptBlockImpl(int64_t width, int64_t heads, double p, const GptStyle& s)
+      : ln_1(register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({width}).eps(s.eps)))),
+        attn(register_module("attn", CausalSelfAttention(width, heads, p, s.layout))),
+        ln_2(register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({width}).eps(s.eps)))),
+        mlp(register_module("mlp", Mlp(width, p, s))) {}
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln_1(x));
     return x + mlp(ln_2(x));
@@ -104,7 +105,7 @@ std::string embed_script(const nn::Module& m, const std::string& at, const std::
 
 std::string attention_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
   const auto& a = dynamic_cast<const CausalSelfAttentionImpl&>(m);
-  const int64_t width = a.c_proj->options.out_features(), d = width / a.heads;
+  const int64_t width = a.c_proj->out_features, d = width / a.heads;
   const auto b = w.let(x + ".size(0)", "b"), t = w.let(x + ".size(1)", "t");
   const auto qkv = w.let(w.call(*a.c_attn, at + ".c_attn", x) + ".reshape([" + b + ", " + t + ", 3, " +
                          gpt_str(a.heads) + ", " + gpt_str(d) + "]).permute([2, 0, 3, 1, 4])");
@@ -117,8 +118,19 @@ std::string attention_script(const nn::Module& m, const std::string& at, const s
   return w.call(*a.c_proj, at + ".c_proj", y);
 }
 
-std::string head_script(const nn::Module&, const std::string& at, const std::string& x, ScriptWriter& w) {
-  return w.let("torch.matmul(" + x + ", " + at + ".weight.t())");
+std::string head_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
+  // A tied head holds no weight of its own: it is the embedding's (make_gpt's layout).
+  const std::string weight = dynamic_cast<const LmHeadImpl&>(m).tied()
+                                 ? at.substr(0, at.rfind('.')) + ".embed.wte.weight" : at + ".weight";
+  return w.let("torch.matmul(" + x + ", " + weight + ".t())");
+}
+
+std::string linear_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
+  const auto& l = dynamic_cast<const AdaptableLinearImpl&>(m);
+  if (l.adapter()) throw std::invalid_argument("an adapted linear layer (merge its adapter first)");
+  const std::string bias = l.bias.defined() ? at + ".bias" : "None";
+  if (l.layout == WeightLayout::OutIn) return w.let("torch.linear(" + x + ", " + at + ".weight, " + bias + ")");
+  return w.let("torch.matmul(" + x + ", " + at + ".weight)" + (l.bias.defined() ? " + " + bias : ""));
 }
 
 std::string mlp_script(const nn::Module& m, const std::string& at, const std::string& x, ScriptWriter& w) {
@@ -165,6 +177,7 @@ void add_gpt_scripts(const ScriptAdder& add) {
   add(typeid(MlpImpl), mlp_script);
   add(typeid(GptBlockImpl), block_script);
   add(typeid(LmHeadImpl), head_script);
+  add(typeid(AdaptableLinearImpl), linear_script);
 }
 
 namespace {
@@ -213,6 +226,24 @@ std::optional<torch::Tensor> gpt_forward_cached(nn::Sequential& model, const tor
   return x;
 }
 
+int64_t gpt_heads(const nn::Module& model) {
+  for (const auto& m : model.modules(/*include_self=*/false))
+    if (const auto* a = dynamic_cast<const CausalSelfAttentionImpl*>(m.get())) return a->heads;
+  return 1;
+}
+
+nn::Sequential build_gpt(const GptShape& g, const GptStyle& style, uint64_t seed) {
+  nn::Sequential m;
+  auto embed = Embed(g.vocab, g.block, g.n_embd, g.dropout);
+  m->push_back("embed", embed);
+  for (int64_t i = 0; i < g.n_layer; ++i)
+    m->push_back("block" + gpt_str(i), GptBlock(g.n_embd, g.n_head, g.dropout, style));
+  m->push_back("ln_f", nn::LayerNorm(nn::LayerNormOptions({g.n_embd}).eps(style.eps)));
+  m->push_back("head", style.tied ? LmHead(embed->wte->weight) : LmHead(g.n_embd, g.vocab));
+  init_gpt(m, g.n_layer, seed);
+  return m;
+}
+
 nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
   if (in.block_size <= 0)
     throw_config_error("model 'gpt' takes text: set data.dataset = \"text\" (tokens, not images)");
@@ -224,14 +255,7 @@ nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in) {
   if (o.n_embd % o.n_head != 0)
     throw_config_error("model 'gpt': model.n_head = " + gpt_str(o.n_head) +
                        " must divide model.n_embd = " + gpt_str(o.n_embd));
-  nn::Sequential m;
-  m->push_back("embed", Embed(in.num_classes, block, o.n_embd, o.dropout));
-  for (int64_t i = 0; i < o.n_layer; ++i)
-    m->push_back("block" + gpt_str(i), GptBlock(o.n_embd, o.n_head, o.dropout));
-  m->push_back("ln_f", nn::LayerNorm(nn::LayerNormOptions({o.n_embd})));
-  m->push_back("head", LmHead(o.n_embd, in.num_classes));
-  init_gpt(m, o.n_layer, in.seed);
-  return m;
+  return build_gpt({o.n_layer, o.n_head, o.n_embd, in.num_classes, block, o.dropout}, GptStyle{}, in.seed);
 }
 
 }  // namespace frugal

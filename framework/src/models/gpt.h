@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "frugal/models/linear.h"
 #include "frugal/models/registry.h"
 
 namespace frugal {
@@ -18,6 +19,32 @@ namespace frugal {
 /// 0, c_proj weights N(0, 0.02 / sqrt(2 n_layer)) (GPT-2's residual scaling), the others
 /// N(0, 0.02); the same draws as torch.Generator().manual_seed(seed) in Python.
 torch::nn::Sequential make_gpt(const ModelOptions& o, const ModelInput& in);
+
+/// Hugging Face's GPT-2 (registered as model "gpt2"): make_gpt's layout with GPT-2's maths
+/// (Conv1D weights [in, out], tanh GELU, the head tied to wte), its shape from the config.json
+/// of the model.init_from folder or from model.n_layer/n_head/n_embd. gpt2.cpp.
+torch::nn::Sequential make_gpt2(const ModelOptions& o, const ModelInput& in);
+
+/// The attention heads of a make_gpt model's blocks (1 when it has none).
+int64_t gpt_heads(const torch::nn::Module& model);
+
+/// Hugging Face's names for gpt2's tensors, and its config.json.
+WeightNames gpt2_weight_names();
+
+/// The sizes of a gpt.
+struct GptShape {
+  int64_t n_layer, n_head, n_embd, vocab, block;
+  double dropout;
+};
+/// What tells nanoGPT's layout from Hugging Face GPT-2's.
+struct GptStyle {
+  WeightLayout layout = WeightLayout::OutIn;  ///< GPT-2's Conv1D: InOut
+  std::string gelu = "none";                  ///< GPT-2's gelu_new: "tanh"
+  bool tied = false;                          ///< the head's weight is wte's
+  double eps = 1e-5;                          ///< LayerNorm
+};
+/// embed, block0.., ln_f, head; initialised as make_gpt says.
+torch::nn::Sequential build_gpt(const GptShape& shape, const GptStyle& style, uint64_t seed);
 
 /// The keys and values a gpt computed for a context, per block ([B, heads, length, head size]),
 /// so generation computes one new position per byte instead of the whole context again.

@@ -77,6 +77,8 @@ LmHeadImpl::LmHeadImpl(int64_t in_features, int64_t vocabulary)
   torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
 }
 
+LmHeadImpl::LmHeadImpl(torch::Tensor embedding) : weight(std::move(embedding)), tied_(true) {}
+
 torch::Tensor LmHeadImpl::forward(const torch::Tensor& h) {
   if (fused_ && is_training() && torch::GradMode::is_enabled()) {
     pending_ = h;

@@ -1,6 +1,8 @@
 // The registries of models, losses and datasets, and the built-in model zoo.
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <set>
 
 #include "frugal/models/registry.h"
@@ -381,6 +383,10 @@ Registry<ModelFactory>& models() {
     r.add("gpt", make_gpt,
           "decoder-only transformer over bytes: embed, block0..block<n_layer-1>, ln_f, head",
           "frugal", Keys{"n_layer", "n_head", "n_embd", "block_size", "dropout"});
+    r.add("gpt2", make_gpt2,
+          "Hugging Face's GPT-2 (Conv1D weights, tanh GELU, tied head; config.json and "
+          "safetensors of a model.init_from folder load as they are): embed, block0.., ln_f, head",
+          "frugal", Keys{"n_layer", "n_head", "n_embd", "block_size", "dropout"});
     return true;
   }();
   (void)builtins;
@@ -428,6 +434,27 @@ Registry<DatasetFactory>& datasets() {
   }();
   (void)builtins;
   return r;
+}
+
+namespace {
+std::mutex names_mutex;
+std::map<std::string, WeightNames>& names_by_arch() {
+  static std::map<std::string, WeightNames> m{{"gpt2", gpt2_weight_names()}};
+  return m;
+}
+}  // namespace
+
+void set_weight_names(const std::string& arch, WeightNames names) {
+  std::lock_guard<std::mutex> g(names_mutex);
+  if (names.to_file) names_by_arch()[arch] = std::move(names);
+  else names_by_arch().erase(arch);
+}
+
+std::optional<WeightNames> weight_names(const std::string& arch) {
+  std::lock_guard<std::mutex> g(names_mutex);
+  auto it = names_by_arch().find(arch);
+  if (it == names_by_arch().end()) return std::nullopt;
+  return it->second;
 }
 
 torch::nn::Sequential make_model(const ModelOptions& o, const ModelInput& in) {

@@ -9,6 +9,7 @@ inline constexpr const char* kVersion = "0.1.0";
 // subsystem folders; Callback::retry_veto, optimizer_replaced; Learner::collective,
 // completes_step (the Learner's layout changed); OptimizerOptions::own is an OwnKeys.
 // 7: Registry::Entry::reads, ModelOptions' init keys. 8: DataOptions' tokenizer keys, Dataset's
-// tokenizer and token_bytes, MetricSums::bytes (layouts changed).
-inline constexpr int kAbiVersion = 8;
+// tokenizer and token_bytes, MetricSums::bytes (layouts changed). 9: Callback::attach (the
+// vtable changed), Learner::run_info, AdaptableLinear and LinearAdapter, WeightNames.
+inline constexpr int kAbiVersion = 9;
 }  // namespace frugal

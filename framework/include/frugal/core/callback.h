@@ -177,6 +177,13 @@ class Callback {
   /// the optimizer (zero's shard) rebuilds it here. Default: nothing.
   virtual void optimizer_replaced(Learner&) {}
 
+  /// Runs once when the callback joins a Learner (add_callback), before any fit, checkpoint
+  /// load or optimizer step: a callback that changes the model's structure (lora's adapters,
+  /// its quantized weights) does it here, then rebuilds the optimizer (Learner::set_optimizer)
+  /// so that it holds the new parameters, and a resumed checkpoint finds them. A throw leaves
+  /// the Learner without the callback. Default: nothing.
+  virtual void attach(Learner&) {}
+
   /// Dispatches an event to its hook. Used by the Learner.
   void dispatch(Event e, Learner& l);
 };

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -100,6 +101,14 @@ class Learner {
   DataLoader& train_data() { return live().train_; }
   DataLoader* valid_data() { return valid_ ? &*valid_ : nullptr; }
   const torch::Device& device() const { return device_; }
+  /// Where the run writes its files and what its model is (`frugal train` sets them), for a
+  /// callback that writes files of its own (lora's adapter); empty outside a run.
+  struct RunInfo {
+    std::string out_dir;
+    std::string arch;  ///< model.arch
+  };
+  const RunInfo& run_info() const { return run_info_; }
+  void set_run_info(RunInfo r) { run_info_ = std::move(r); }
 
   /// The current batch (before_batch may replace it), prediction and loss. During the
   /// forward and backward events of a split batch, x() and y() are the micro-batch. pred() is
@@ -227,6 +236,8 @@ class Learner {
   // ---- model management ----
   /// Parameters whose names start with any prefix stop training (requires_grad = false).
   void freeze(const std::vector<std::string>& prefixes);
+  /// Trains again what freeze() froze (each stage starts with it); a parameter frozen otherwise
+  /// (by a callback: lora's base weights) stays frozen.
   void unfreeze();
   /// Names of the parameters that do not train.
   std::vector<std::string> frozen() const;
@@ -347,6 +358,8 @@ class Learner {
   std::optional<DataLoader> valid_;
   torch::Device device_;
   std::vector<std::shared_ptr<Callback>> callbacks_;  // sorted by order()
+  std::unordered_set<const c10::TensorImpl*> frozen_by_freeze_;  // what unfreeze() undoes
+  RunInfo run_info_;
   std::vector<Callback*> forward_wrappers_;
 
   std::vector<Stage> stages_;

@@ -25,6 +25,11 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& h, const torch::
 class LmHeadImpl : public torch::nn::Module {
  public:
   LmHeadImpl(int64_t in_features, int64_t vocabulary);
+  /// A head tied to `embedding` [V, C] (GPT-2's: the token embedding's weight): it registers no
+  /// parameter of its own, so the optimizer steps the shared tensor once, with the gradient of
+  /// both uses, and state dicts hold it once (as the embedding's).
+  explicit LmHeadImpl(torch::Tensor embedding);
+  bool tied() const { return tied_; }
   torch::Tensor forward(const torch::Tensor& h);
 
   void set_fused(bool fused) { fused_ = fused; }
@@ -36,6 +41,7 @@ class LmHeadImpl : public torch::nn::Module {
 
  private:
   bool fused_ = false;
+  bool tied_ = false;
   torch::Tensor pending_;
 };
 TORCH_MODULE(LmHead);

@@ -108,6 +108,24 @@ Registry<ModelFactory>& models();
 Registry<LossFactory>& losses();
 Registry<DatasetFactory>& datasets();
 
+/// How a model's state-dict names appear in the weight files it exchanges, when they differ from
+/// frugal's: gpt2's "block3.attn.c_attn.weight" is Hugging Face's "transformer.h.3.attn.c_attn.weight".
+struct WeightNames {
+  /// A state-dict name's name in files.
+  std::function<std::string(const std::string&)> to_file;
+  /// A file's name's state-dict name; "" for a tensor the model does not hold by design (GPT-2's
+  /// attention-mask buffers). Several file names may give one (a tied head: must be equal).
+  std::function<std::string(const std::string&)> from_file;
+  /// The file that describes the model to other tools (Hugging Face's config.json), written
+  /// beside model.safetensors; empty when none.
+  std::function<std::string(const torch::nn::Module&)> config_json;
+};
+/// Sets (or, with an empty `to_file`, removes) `arch`'s names. A plugin's own model may set
+/// them in on_load and must remove them before it unloads.
+void set_weight_names(const std::string& arch, WeightNames names);
+/// `arch`'s names; nullopt = the state-dict names, as they are.
+std::optional<WeightNames> weight_names(const std::string& arch);
+
 /// Builds the model named by `o.arch`. Throws ConfigError for an unknown name or a
 /// configuration the model cannot take.
 torch::nn::Sequential make_model(const ModelOptions& o, const ModelInput& in);
