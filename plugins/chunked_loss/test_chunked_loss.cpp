@@ -68,6 +68,29 @@ TEST(ChunkedLossKernel, ThePeakHoldsAChunkOfLogitsNotAllOfThem) {
   EXPECT_LT(chunked, logits / 4) << "a chunk's logits and its gradient, h's and w's gradients";
 }
 
+// A frozen head (lora's: tied to a frozen embedding) gets no gradient, and no V x C buffer for one.
+TEST(ChunkedLossKernel, AFrozenHeadGetsNoGradientAndNoBufferForIt) {
+  if (!MemoryMeter::installed()) GTEST_SKIP() << "the tracking allocator is not installed";
+  torch::manual_seed(3);
+  const int64_t n = 64, v = 8192, c = 256;  // w: 8192 x 256 floats = 8 MiB
+  const auto h = torch::randn({n, c}).requires_grad_(), w = torch::randn({v, c}) * 0.1;
+  const auto y = torch::randint(0, v, {n}, torch::kLong);
+  MemoryMeter& mm = MemoryMeter::get();
+  const int64_t before = mm.current();
+  int64_t peak = 0;
+  {
+    MemoryWindow window = mm.open_window();
+    chunked_linear_cross_entropy(h, w, y, 16).backward();
+    peak = window.peak() - before;
+  }
+  EXPECT_FALSE(w.grad().defined());
+  ASSERT_TRUE(h.grad().defined());
+  const auto plain_h = h.detach().clone().requires_grad_();
+  F::cross_entropy(torch::matmul(plain_h, w.t()), y).backward();
+  EXPECT_LT(ce_max_diff(h.grad(), plain_h.grad()), 1e-6);
+  EXPECT_LT(peak, v * c * 4 / 2) << "a dW buffer was made for a frozen head";
+}
+
 // ---- the plugin --------------------------------------------------------------------------------
 
 std::shared_ptr<chunked_loss::ChunkedLoss> load_chunked_loss(PluginHost& host, Learner& l, const std::string& table) {

@@ -58,21 +58,38 @@ QuantizedWeight QuantStoreImpl::weight() const {
 
 namespace {
 
-/// x W + b with W dequantized from `q` in the forward and again in the backward: autograd keeps
-/// the codes, not a float copy of every layer's weight until backward (which would cost what
-/// quantizing saved). W is frozen: only x gets a gradient.
+/// x W with W dequantized from the layer's codes in the forward and again in the backward:
+/// autograd keeps the codes (references to the buffers, no copy), not a float copy of every
+/// layer's weight until backward (which would cost what quantizing saved). W is frozen: only x
+/// gets a gradient.
 struct DequantizedMatmul : torch::autograd::Function<DequantizedMatmul> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const QuantStoreImpl* store,
-                               bool in_out) {
-    ctx->saved_data["store"] = reinterpret_cast<int64_t>(store);  // lives as long as the model
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const QuantizedWeight& q, bool in_out) {
+    ctx->saved_data["codes"] = q.codes;
+    ctx->saved_data["absmax"] = q.absmax;
+    ctx->saved_data["absmax_codes"] = q.absmax_codes;
+    ctx->saved_data["absmax_scale"] = q.absmax_scale;
+    ctx->saved_data["absmax_offset"] = q.absmax_offset;
+    ctx->saved_data["kind"] = static_cast<int64_t>(q.kind);
+    ctx->saved_data["shape"] = q.shape;
+    ctx->saved_data["sizes"] = std::vector<int64_t>{q.numel, q.block, q.block2, q.double_quant ? 1 : 0};
     ctx->saved_data["in_out"] = in_out;
-    const auto w = dequantize(store->weight(), x.scalar_type());
+    const auto w = dequantize(q, x.scalar_type());
     return torch::matmul(x, in_out ? w : w.t());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto* store = reinterpret_cast<const QuantStoreImpl*>(ctx->saved_data["store"].toInt());
-    const auto w = dequantize(store->weight(), grads[0].scalar_type());
-    const bool in_out = ctx->saved_data["in_out"].toBool();
+    auto& d = ctx->saved_data;
+    QuantizedWeight q;
+    q.codes = d["codes"].toTensor();
+    q.absmax = d["absmax"].toTensor();
+    q.absmax_codes = d["absmax_codes"].toTensor();
+    q.absmax_scale = d["absmax_scale"].toTensor();
+    q.absmax_offset = d["absmax_offset"].toTensor();
+    q.kind = static_cast<QuantKind>(d["kind"].toInt());
+    q.shape = d["shape"].toIntVector();
+    const auto sizes = d["sizes"].toIntVector();
+    q.numel = sizes[0], q.block = sizes[1], q.block2 = sizes[2], q.double_quant = sizes[3] != 0;
+    const auto w = dequantize(q, grads[0].scalar_type());
+    const bool in_out = d["in_out"].toBool();
     return {torch::matmul(grads[0], in_out ? w.t() : w), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -96,7 +113,7 @@ torch::Tensor LoraAdapter::forward(frugal::AdaptableLinearImpl& layer, const tor
   const auto store = store_of(layer);
   torch::Tensor base;
   if (store) {
-    base = DequantizedMatmul::apply(x, store.get(), layer.layout == frugal::WeightLayout::InOut);
+    base = DequantizedMatmul::apply(x, store->weight(), layer.layout == frugal::WeightLayout::InOut);
     if (layer.bias.defined()) base = base + layer.bias;
   } else {
     base = layer.project(x, layer.weight);
@@ -160,14 +177,15 @@ Adapted adapt(nn::Module& model, const LoraOptions& o) {
   Adapted r;
   for (const auto& p : model.parameters()) r.total += p.numel();  // before any weight is quantized
   const auto layers = linear_layers(model);
-  for (const auto& [name, layer] : layers) {
+  for (const auto& [name, layer] : layers) {  // every check before the first change
     if (!targeted(name, o.targets)) continue;
     if (layer->adapter())
       frugal::throw_config_error("plugins.lora: layer '" + name + "' already has an adapter");
-    add_adapter(*layer, o, r);
     r.layers.push_back(name);
   }
   if (layers.empty()) return r;  // Lora::attach says the model has nothing to adapt
+  for (const auto& [name, layer] : layers)
+    if (targeted(name, o.targets)) add_adapter(*layer, o, r);
   if (r.layers.empty()) {
     std::string names;
     for (size_t i = 0; i < layers.size() && i < 8; ++i) names += (i ? ", " : "") + layers[i].first;
@@ -195,7 +213,8 @@ void merge_for_good(nn::Module& model) {
   }
 }
 
-void export_peft(const nn::Module& model, const LoraOptions& o, const std::string& arch, const std::string& folder) {
+void export_peft(const nn::Module& model, const LoraOptions& o, const std::string& arch, const std::string& folder,
+                 const std::string& base) {
   const auto names = frugal::weight_names(arch);
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   bool in_out = false;
@@ -211,9 +230,12 @@ void export_peft(const nn::Module& model, const LoraOptions& o, const std::strin
   const nlohmann::json config = {
       {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"r", o.rank}, {"lora_alpha", o.alpha},
       {"lora_dropout", o.dropout}, {"target_modules", o.targets}, {"fan_in_fan_out", in_out},
-      {"bias", "none"}, {"inference_mode", true}, {"base_model_name_or_path", arch},
+      {"bias", "none"}, {"inference_mode", true}, {"base_model_name_or_path", base.empty() ? arch : base},
       {"modules_to_save", nullptr}, {"init_lora_weights", true}};
-  std::ofstream(folder + "/adapter_config.json") << config.dump(2) << "\n";
+  std::ofstream out(folder + "/adapter_config.json");
+  out << config.dump(2) << "\n";
+  out.close();
+  if (!out) frugal::throw_usage_error("cannot write " + folder + "/adapter_config.json");
 }
 
 // ---------------------------------------------------------------- the callback
@@ -221,8 +243,18 @@ void export_peft(const nn::Module& model, const LoraOptions& o, const std::strin
 Lora::Lora(const LoraOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
 
 Lora::~Lora() {
-  // The adapters' code lives in this library: the model keeps their effect, folded in.
-  if (model_) merge_for_good(*model_);
+  // The adapters' code lives in this library: a model still used elsewhere keeps their effect,
+  // folded in; one nobody else holds only loses them (no allocation in a destructor then).
+  if (!model_) return;
+  try {
+    if (model_.use_count() > 1) {
+      merge_for_good(*model_);
+      return;
+    }
+  } catch (...) {  // out of memory folding: the adapters are dropped instead
+  }
+  for (const auto& m : model_->modules(/*include_self=*/false))
+    if (auto* layer = dynamic_cast<frugal::AdaptableLinearImpl*>(m.get())) layer->set_adapter(nullptr);
 }
 
 void Lora::attach(frugal::Learner& l) {
@@ -245,7 +277,7 @@ void Lora::attach(frugal::Learner& l) {
 void Lora::after_fit(frugal::Learner& l) {
   if (!o_.export_adapter || l.run_info().out_dir.empty() || l.collective().rank() != 0) return;
   const std::string folder = l.run_info().out_dir + "/adapter";
-  export_peft(*l.model(), o_, l.run_info().arch, folder);
+  export_peft(*l.model(), o_, l.run_info().arch, folder, l.run_info().init_from);
   log_->info("adapter written to {} (PEFT's layout)", folder);
 }
 

@@ -70,9 +70,10 @@ Adapted adapt(torch::nn::Module& model, const LoraOptions& o);
 /// removes it: the plain model the adapted one computes.
 void merge_for_good(torch::nn::Module& model);
 /// Writes PEFT's adapter_model.safetensors and adapter_config.json into `folder`: tensor
-/// names "base_model.model.<the name in model files>.lora_A.weight" (`arch`'s WeightNames).
+/// names "base_model.model.<the name in model files>.lora_A.weight" (`arch`'s WeightNames);
+/// base_model_name_or_path is `base` (model.init_from), or the arch when there is none.
 void export_peft(const torch::nn::Module& model, const LoraOptions& o, const std::string& arch,
-                 const std::string& folder);
+                 const std::string& folder, const std::string& base = "");
 
 class Lora : public frugal::Callback {
  public:

@@ -10,7 +10,7 @@ python3-torch (and the numpy it brings): no transformers, no safetensors; safete
 read and written by hand (8-byte little-endian header length, JSON header, raw row-major bytes).
 
   hf_gpt2_reference.py make OUT [--n_layer 2 --n_head 2 --n_embd 32 --vocab 61 --n_positions 24
-                                 --seed 0 --shards K --no_prefix --mask_buffers --dtype F32|BF16|F16]
+                                 --seed 0 --std 0.2 --shards K --no_prefix --mask_buffers --dtype F32|BF16|F16]
       random weights (LayerNorms non-trivial) as OUT/config.json + OUT/model.safetensors, or K
       shards model-0000i-of-0000K.safetensors + model.safetensors.index.json.
   hf_gpt2_reference.py forward DIR BATCH_JSON OUT_JSON
@@ -281,7 +281,7 @@ def write_forward(w, cfg, batch_path, out_path):
 
 # ---------------------------------------------------------------- make
 
-def random_weights(cfg, seed):
+def random_weights(cfg, seed, std=0.2):
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(cfg).items():
@@ -291,7 +291,7 @@ def random_weights(cfg, seed):
         elif re.search(r"(ln_\d|ln_f)\.bias$", name):
             weights[name] = 0.1 * noise
         else:
-            weights[name] = 0.2 * noise
+            weights[name] = std * noise
     return weights
 
 
@@ -336,7 +336,7 @@ def cmd_make(a):
     os.makedirs(a.out, exist_ok=True)
     write_config(a.out, a)
     cfg = load_config(a.out)
-    tensors = random_weights(cfg, a.seed)
+    tensors = random_weights(cfg, a.seed, a.std)
     if a.mask_buffers:
         tensors = with_buffers(tensors, cfg)
     if a.no_prefix:
@@ -449,6 +449,9 @@ def parser():
     for name, default in (("n_layer", 2), ("n_head", 2), ("n_embd", 32), ("vocab", 61), ("n_positions", 24),
                           ("seed", 0), ("shards", 0)):
         m.add_argument("--" + name, type=int, default=default)
+    m.add_argument("--std", type=float, default=0.2,
+                   help="of the weights and biases (0.2: large, so a test that ignores one fails; "
+                        "0.02: GPT-2's initialisation, for a model to fine-tune)")
     m.add_argument("--no_prefix", action="store_true")
     m.add_argument("--mask_buffers", action="store_true")
     m.add_argument("--dtype", choices=("F32", "BF16", "F16"), default="F32")

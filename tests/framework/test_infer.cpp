@@ -39,6 +39,31 @@ class Infer : public ::testing::Test {
   std::string corpus, run;
 };
 
+// A run with the lora plugin (QLoRA: nf4 base weights) exports the model with its adapters
+// folded in: evaluate scores it as the fit validated it, generate samples from it, and the
+// adapter is kept in PEFT's layout.
+TEST_F(Infer, ALoraRunIsEvaluatedAndSampledWithItsAdaptersMerged) {
+  const std::string lora_run = dir.file("lora-run");
+  write_text(dir.file("lora.toml"), gpt_config(corpus, lora_run) +
+                                        "[plugins.lora]\nrank = 4\ntargets = [\"c_attn\", \"c_fc\"]\n"
+                                        "quantize = \"nf4\"\nblock = 16\n");
+  const CliResult train = run_cli("train " + dir.file("lora.toml"));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const nlohmann::json report = read_json(lora_run + "/report.json");
+  const CliResult r = run_cli("evaluate " + lora_run + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  EXPECT_NEAR(j["valid_loss"].get<double>(), report["fit"]["valid_loss"].get<double>(), 1e-5);
+  const CliResult gen = run_cli("generate " + lora_run + " --prompt 'the ' --tokens 8");
+  EXPECT_EQ(gen.exit_code, 0) << gen.output;
+  EXPECT_TRUE(std::filesystem::exists(lora_run + "/adapter/adapter_model.safetensors"));
+  const nlohmann::json peft = read_json(lora_run + "/adapter/adapter_config.json");
+  EXPECT_EQ(peft["peft_type"], "LORA");
+  EXPECT_EQ(peft["r"], 4);
+  // The model file holds no adapter tensor: it is the plain model.
+  EXPECT_EQ(read_text(lora_run + "/model.safetensors").find("lora_A"), std::string::npos);
+}
+
 TEST_F(Infer, EvaluateGivesTheReportsValidationLossFromTheExportedModelAlone) {
   const nlohmann::json report = read_json(run + "/report.json");
   ASSERT_EQ(report["fit"]["task"], "language_model");

@@ -267,6 +267,11 @@ RunModel load_run_model(const std::string& run_dir, const torch::Device& device)
     if (r.data.is_discarded() || !r.data.is_object() || !r.data.contains("input"))
       throw CheckpointError((dir / "data.json").string() + ": damaged (not the JSON a run writes)");
   }
+  // A model described by a file of its own (gpt2's config.json) is built from the run's copy:
+  // the folder model.init_from named may have moved, or be relative to another directory.
+  const auto names = weight_names(r.loaded.config.model.arch);
+  if (names && names->config_json && fs::is_regular_file(dir / "config.json", ec))
+    r.loaded.config.model.init_from = dir.string();
   r.model = r.data.is_object() ? built_for(r.loaded.config, r.data["input"])
                                : make_config_model(r.loaded.config);
   r.model->to(device);
@@ -276,7 +281,7 @@ RunModel load_run_model(const std::string& run_dir, const torch::Device& device)
   if (!fs::is_regular_file(safetensors, ec))
     throw CheckpointError(safetensors.string() + ": missing (a run writes it beside model.pt)");
   try {
-    init_weights(*r.model, safetensors.string(), /*strict=*/true, {}, weight_names(r.loaded.config.model.arch));
+    init_weights(*r.model, safetensors.string(), /*strict=*/true, {}, names);
   } catch (const ConfigError& e) {
     throw CheckpointError(safetensors.string() + " does not fit the run's model: " + e.what());
   }

@@ -367,7 +367,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);
   if (world.distributed()) learner->set_collective(world);
-  learner->set_run_info({c.run.out_dir, c.model.arch});
+  learner->set_run_info({c.run.out_dir, c.model.arch, c.model.init_from});
   learner->set_max_batches(c.run.max_steps);
   add_checkpointing(c, *learner, stop);
   if (world.distributed())

@@ -48,7 +48,7 @@ RunLock::~RunLock() {
 namespace {
 /// The files a run leaves in its folder: its results.
 constexpr const char* kRunFiles[] = {"report.json", "report.md", "config.toml", "model.pt",
-                                     "model.safetensors"};
+                                     "model.safetensors", "config.json", "adapter"};
 }  // namespace
 
 std::vector<std::string> earlier_run_files(const std::string& dir, const std::string& checkpoint_dir) {
@@ -63,7 +63,7 @@ std::vector<std::string> earlier_run_files(const std::string& dir, const std::st
 
 void remove_earlier_run(const std::string& dir, const std::string& checkpoint_dir) {
   std::error_code ec;
-  for (const char* name : kRunFiles) fs::remove(fs::path(dir) / name, ec);
+  for (const char* name : kRunFiles) fs::remove_all(fs::path(dir) / name, ec);  // adapter/ is a folder
   if (fs::is_directory(checkpoint_dir, ec)) {
     fs::remove_all(checkpoint_dir, ec);
     if (ec)

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cctype>
 #include <fstream>
+#include <set>
 #include <stdexcept>
 
 namespace frugal::zip {
@@ -18,6 +20,7 @@ constexpr uint32_t kCentralSignature = 0x02014b50;
 constexpr uint32_t kLocalSignature = 0x04034b50;
 constexpr uint64_t kEndSize = 22;
 constexpr uint32_t kLargestCode = 1 << 20;  // a code record of frugal's is a few hundred bytes
+constexpr uint64_t kInflateBudget = uint64_t{1} << 28;  // deflated records (code, debug info), in all
 
 uint32_t le32(const unsigned char* p) {
   return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
@@ -127,9 +130,10 @@ void check_version(const ReadAt& read, const Record& r) {
   if (r.size == 0 || !contents(read, r, v, 20))
     throw std::runtime_error("its version record is unreadable");
   uint64_t n = 0;
+  int digits = 0;
   for (unsigned char c : v) {
     if (c == '\n') break;
-    if (c < '0' || c > '9') throw std::runtime_error("its version record is not a number");
+    if (c < '0' || c > '9' || ++digits > 4) throw std::runtime_error("its version record is not a small number");
     n = n * 10 + (c - '0');
   }
   if (n < caffe2::serialize::kMinSupportedFileFormatVersion ||
@@ -212,6 +216,10 @@ void check_records(const ReadAt& read, uint64_t file_size) {
   uint64_t end_offset = 0;
   uint16_t comment = 0;
   if (!find_end(read, file_size, end_offset, comment)) return;  // no zip: LibTorch refuses it cleanly
+  std::vector<unsigned char> end;
+  if (read(end_offset, kEndSize, end) &&
+      (le16(end.data() + 10) == 0xFFFF || le32(end.data() + 12) == 0xFFFFFFFF || le32(end.data() + 16) == 0xFFFFFFFF))
+    return;  // zip64 (an archive past 4 GiB): left to LibTorch's own checks
   bool whole = false;
   const std::vector<Record> all = records(read, file_size, &whole);
   // (LibTorch's zip reader finds a misplaced directory by itself, then trips on what it reads.)
@@ -222,13 +230,20 @@ void check_records(const ReadAt& read, uint64_t file_size) {
     throw std::runtime_error("its first record '" + all[0].name + "' is not in the archive's folder");
   const std::string folder = all[0].name.substr(0, slash + 1);
   const Record *version = nullptr, *data_version = nullptr;  // LibTorch reads .data/version first
+  std::set<std::string> seen;       // miniz finds records ignoring case: one name, one record
+  uint64_t inflated = 0;            // what inflating may cost, at most kInflateBudget in all
   for (const Record& r : all) {
     if (r.name.rfind(folder, 0) != 0)
       throw std::runtime_error("its record '" + r.name + "' is outside the archive's folder '" + folder + "'");
     const bool stored = r.method == 0 && r.stored_size == r.size;
     if (!r.local_ok || !(stored || r.method == 8))
       throw std::runtime_error("its record '" + r.name + "' is not stored as LibTorch stores records");
-    const std::string inner = r.name.substr(folder.size());
+    std::string inner = r.name.substr(folder.size());
+    for (char& c : inner) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (!seen.insert(inner).second)
+      throw std::runtime_error("it holds two records named '" + r.name + "' (ignoring case)");
+    if (r.method == 8 && (r.size > uint64_t{1032} * r.stored_size || (inflated += r.size) > kInflateBudget))
+      throw std::runtime_error("its record '" + r.name + "' inflates past what LibTorch writes");
     if (inner == "version") version = &r;
     if (inner == ".data/version") data_version = &r;
     if (inner.rfind("code/", 0) == 0 && ends_with(inner, ".py")) {

@@ -53,8 +53,10 @@ bool contents(const ReadAt& read, const Record& r, std::vector<unsigned char>& o
 bool intact(const ReadAt& read, const Record& r, uint64_t limit);
 
 /// Throws std::runtime_error saying what is wrong (the caller names the file) when the records
-/// are not what LibTorch's writer makes (see the file comment). Returns without a word for a
-/// file that is no zip archive at all (LibTorch says so, and frees what it allocated).
+/// are not what LibTorch's writer makes (see the file comment), two names differ only in case
+/// (miniz finds records ignoring it), or deflated records would inflate past 256 MiB in all.
+/// Returns without a word for a file that is no zip archive at all (LibTorch says so, and
+/// frees what it allocated) and for a zip64 one (past 4 GiB: left to LibTorch).
 void check_records(const ReadAt& read, uint64_t file_size);
 
 /// The same for a file on disk and for bytes in memory (an archive inside an archive).

@@ -18,8 +18,10 @@ std::string num(int64_t v) { return std::to_string(v); }
 /// The config.json of a Hugging Face folder (model.init_from), or null when there is none.
 json read_hf_config(const std::string& init_from) {
   std::error_code ec;
-  if (init_from.empty() || !fs::is_directory(init_from, ec)) return nullptr;
-  const fs::path file = fs::path(init_from) / "config.json";
+  if (init_from.empty() || !fs::exists(init_from, ec)) return nullptr;
+  // A folder's config.json, or the one beside a .safetensors file.
+  const fs::path file = (fs::is_directory(init_from, ec) ? fs::path(init_from) : fs::path(init_from).parent_path()) /
+                        "config.json";
   if (!fs::is_regular_file(file, ec)) return nullptr;
   std::ifstream in(file);
   json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -60,6 +62,8 @@ GptStyle gpt2_style(const json& j, const std::string& file) {
                        "' (allowed: gelu_new, gelu_pytorch_tanh, gelu)");
   if (!j.value("tie_word_embeddings", true))
     throw_config_error("model.init_from: " + file + ": tie_word_embeddings = false; gpt2 ties its head");
+  if (!j.value("scale_attn_weights", true))
+    throw_config_error("model.init_from: " + file + ": scale_attn_weights = false is not supported");
   for (const char* flag : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"})
     if (j.value(flag, false))
       throw_config_error("model.init_from: " + file + ": " + flag + " = true is not supported");
@@ -130,12 +134,16 @@ WeightNames gpt2_weight_names() {
     while (p.contains("block" + num(layers) + ".ln_1.weight")) ++layers;
     const auto& wte = p["embed.wte.weight"];
     double eps = 1e-5;
-    for (const auto& child : model.modules(/*include_self=*/false))
+    std::string act = "gelu_new";
+    for (const auto& child : model.modules(/*include_self=*/false)) {
       if (const auto* ln = dynamic_cast<const torch::nn::LayerNormImpl*>(child.get())) eps = ln->options.eps();
+      if (const auto* g = dynamic_cast<const torch::nn::GELUImpl*>(child.get()))
+        act = g->options.approximate() == "tanh" ? "gelu_new" : "gelu";
+    }
     json j = {{"model_type", "gpt2"}, {"architectures", {"GPT2LMHeadModel"}}, {"n_layer", layers},
               {"n_head", gpt_heads(model)}, {"n_embd", wte.size(1)}, {"vocab_size", wte.size(0)},
               {"n_positions", p["embed.wpe.weight"].size(0)}, {"n_ctx", p["embed.wpe.weight"].size(0)},
-              {"layer_norm_epsilon", eps}, {"activation_function", "gelu_new"}, {"tie_word_embeddings", true}};
+              {"layer_norm_epsilon", eps}, {"activation_function", act}, {"tie_word_embeddings", true}};
     return j.dump(2) + "\n";
   };
   return n;

@@ -29,25 +29,33 @@ torch::Tensor AdaptableLinearImpl::forward(const torch::Tensor& x) {
 
 AdaptersMerged::AdaptersMerged(torch::nn::Module& model) {
   torch::NoGradGuard g;
-  for (const auto& m : model.modules(/*include_self=*/false)) {
-    auto* layer = dynamic_cast<AdaptableLinearImpl*>(m.get());
-    if (!layer || !layer->adapter()) continue;
-    SetAside s{layer, layer->adapter(), layer->weight.data(), {}};
-    const auto merged = s.adapter->merged_weight(*layer);
-    for (const auto& child : layer->named_children()) s.children.emplace_back(child.key(), child.value());
-    for (const auto& child : s.children) layer->unregister_module(child.first);
-    layer->weight.set_data(merged.to(layer->weight.device()));
-    layer->set_adapter(nullptr);
-    set_aside_.push_back(std::move(s));
+  try {
+    for (const auto& m : model.modules(/*include_self=*/false)) {
+      auto* layer = dynamic_cast<AdaptableLinearImpl*>(m.get());
+      if (!layer || !layer->adapter()) continue;
+      SetAside s{layer, layer->adapter(), layer->weight.data(), {}};
+      const auto merged = s.adapter->merged_weight(*layer).to(layer->weight.device());
+      for (const auto& child : layer->named_children()) s.children.emplace_back(child.key(), child.value());
+      for (const auto& child : s.children) layer->unregister_module(child.first);
+      layer->weight.set_data(merged);
+      layer->set_adapter(nullptr);
+      set_aside_.push_back(std::move(s));
+    }
+  } catch (...) {  // out of memory merging: every layer as it was, then the error
+    restore();
+    throw;
   }
 }
 
-AdaptersMerged::~AdaptersMerged() {
+AdaptersMerged::~AdaptersMerged() { restore(); }
+
+void AdaptersMerged::restore() {
   for (auto& s : set_aside_) {
     s.layer->weight.set_data(s.weight);
     for (auto& child : s.children) s.layer->register_module(child.first, child.second);
     s.layer->set_adapter(s.adapter);
   }
+  set_aside_.clear();
 }
 
 }  // namespace frugal

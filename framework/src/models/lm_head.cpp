@@ -44,8 +44,10 @@ struct ChunkedCrossEntropyFn : torch::autograd::Function<ChunkedCrossEntropyFn> 
     const int64_t n = h.size(0), chunk = ctx->saved_data["chunk"].toInt();
     const auto scale = grads[0].to(torch::kFloat) / static_cast<double>(n);  // d mean / d row loss
     const auto wh = w.to(h.scalar_type());
-    auto dh = torch::empty_like(h);
-    auto dw = torch::zeros(w.sizes(), w.options().dtype(torch::kFloat));
+    // A frozen head (lora's, tied to a frozen embedding) needs no dW: not a V x C float buffer.
+    const bool want_dh = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
+    auto dh = want_dh ? torch::empty_like(h) : torch::Tensor();
+    auto dw = want_dw ? torch::zeros(w.sizes(), w.options().dtype(torch::kFloat)) : torch::Tensor();
     for (int64_t first = 0; first < n; first += chunk) {
       const int64_t rows = std::min(chunk, n - first);
       // softmax - one_hot(y), times the upstream gradient over N
@@ -53,10 +55,10 @@ struct ChunkedCrossEntropyFn : torch::autograd::Function<ChunkedCrossEntropyFn> 
       g.scatter_add_(1, y.narrow(0, first, rows).unsqueeze(1), torch::full({rows, 1}, -1.0f, g.options()));
       g.mul_(scale);
       const auto gh = g.to(h.scalar_type());
-      dh.narrow(0, first, rows).copy_(torch::matmul(gh, wh));
-      dw.add_(torch::matmul(gh.t(), h.narrow(0, first, rows)).to(torch::kFloat));
+      if (want_dh) dh.narrow(0, first, rows).copy_(torch::matmul(gh, wh));
+      if (want_dw) dw.add_(torch::matmul(gh.t(), h.narrow(0, first, rows)).to(torch::kFloat));
     }
-    return {dh, dw.to(w.scalar_type()), torch::Tensor(), torch::Tensor()};
+    return {dh, want_dw ? dw.to(w.scalar_type()) : torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 

@@ -105,7 +105,8 @@ class Learner {
   /// callback that writes files of its own (lora's adapter); empty outside a run.
   struct RunInfo {
     std::string out_dir;
-    std::string arch;  ///< model.arch
+    std::string arch;       ///< model.arch
+    std::string init_from;  ///< model.init_from: the weights the model started from
   };
   const RunInfo& run_info() const { return run_info_; }
   void set_run_info(RunInfo r) { run_info_ = std::move(r); }

@@ -68,6 +68,7 @@ class AdaptersMerged {
   size_t size() const { return set_aside_.size(); }
 
  private:
+  void restore();
   struct SetAside {
     AdaptableLinearImpl* layer;
     std::shared_ptr<LinearAdapter> adapter;
