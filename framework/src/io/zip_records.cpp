@@ -212,50 +212,65 @@ std::vector<Record> records(const ReadAt& read, uint64_t file_size, bool* whole)
   return out;
 }
 
-void check_records(const ReadAt& read, uint64_t file_size) {
+namespace {
+
+/// The records LibTorch would read, all of them; empty for a file left to LibTorch (no zip:
+/// its reader refuses it cleanly; zip64, past 4 GiB: not checked here).
+std::vector<Record> records_to_check(const ReadAt& read, uint64_t file_size) {
   uint64_t end_offset = 0;
   uint16_t comment = 0;
-  if (!find_end(read, file_size, end_offset, comment)) return;  // no zip: LibTorch refuses it cleanly
   std::vector<unsigned char> end;
-  if (read(end_offset, kEndSize, end) &&
-      (le16(end.data() + 10) == 0xFFFF || le32(end.data() + 12) == 0xFFFFFFFF || le32(end.data() + 16) == 0xFFFFFFFF))
-    return;  // zip64 (an archive past 4 GiB): left to LibTorch's own checks
+  if (!find_end(read, file_size, end_offset, comment) || !read(end_offset, kEndSize, end)) return {};
+  if (le16(end.data() + 10) == 0xFFFF || le32(end.data() + 12) == 0xFFFFFFFF || le32(end.data() + 16) == 0xFFFFFFFF)
+    return {};
   bool whole = false;
-  const std::vector<Record> all = records(read, file_size, &whole);
+  std::vector<Record> all = records(read, file_size, &whole);
   // (LibTorch's zip reader finds a misplaced directory by itself, then trips on what it reads.)
   if (!whole || all.empty())
     throw std::runtime_error("its central directory is not where, or not what, its end record says");
+  return all;
+}
+
+/// One record's bytes as LibTorch would take them; `inner` is its name in the folder, lower case.
+void check_contents(const ReadAt& read, const Record& r, const std::string& inner, uint64_t& inflated) {
+  const bool stored = r.method == 0 && r.stored_size == r.size;
+  if (!r.local_ok || !(stored || r.method == 8))
+    throw std::runtime_error("its record '" + r.name + "' is not stored as LibTorch stores records");
+  if (r.method == 8 && (r.size > uint64_t{1032} * r.stored_size || (inflated += r.size) > kInflateBudget))
+    throw std::runtime_error("its record '" + r.name + "' inflates past what LibTorch writes");
+  std::vector<unsigned char> bytes;
+  if (inner.rfind("code/", 0) == 0 && ends_with(inner, ".py")) {
+    if (!contents(read, r, bytes, kLargestCode))
+      throw std::runtime_error("its code record '" + r.name + "' is too large, cut or does not inflate");
+    check_code(r.name, bytes);
+  } else if (!stored) {  // LibTorch deflates some records (code, debug info), never tensors
+    if (inner.rfind("data/", 0) == 0 || !contents(read, r, bytes, uint64_t{1} << 26))
+      throw std::runtime_error("its record '" + r.name + "' is not stored as LibTorch stores records");
+  }
+}
+
+}  // namespace
+
+void check_records(const ReadAt& read, uint64_t file_size) {
+  const std::vector<Record> all = records_to_check(read, file_size);
+  if (all.empty()) return;
   const size_t slash = all[0].name.find('/');
   if (slash == std::string::npos || slash == 0)
     throw std::runtime_error("its first record '" + all[0].name + "' is not in the archive's folder");
   const std::string folder = all[0].name.substr(0, slash + 1);
   const Record *version = nullptr, *data_version = nullptr;  // LibTorch reads .data/version first
-  std::set<std::string> seen;       // miniz finds records ignoring case: one name, one record
-  uint64_t inflated = 0;            // what inflating may cost, at most kInflateBudget in all
+  std::set<std::string> seen;  // miniz finds records ignoring case: one name, one record
+  uint64_t inflated = 0;       // what inflating may cost, at most kInflateBudget in all
   for (const Record& r : all) {
     if (r.name.rfind(folder, 0) != 0)
       throw std::runtime_error("its record '" + r.name + "' is outside the archive's folder '" + folder + "'");
-    const bool stored = r.method == 0 && r.stored_size == r.size;
-    if (!r.local_ok || !(stored || r.method == 8))
-      throw std::runtime_error("its record '" + r.name + "' is not stored as LibTorch stores records");
     std::string inner = r.name.substr(folder.size());
     for (char& c : inner) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     if (!seen.insert(inner).second)
       throw std::runtime_error("it holds two records named '" + r.name + "' (ignoring case)");
-    if (r.method == 8 && (r.size > uint64_t{1032} * r.stored_size || (inflated += r.size) > kInflateBudget))
-      throw std::runtime_error("its record '" + r.name + "' inflates past what LibTorch writes");
+    check_contents(read, r, inner, inflated);
     if (inner == "version") version = &r;
     if (inner == ".data/version") data_version = &r;
-    if (inner.rfind("code/", 0) == 0 && ends_with(inner, ".py")) {
-      std::vector<unsigned char> bytes;
-      if (!contents(read, r, bytes, kLargestCode))
-        throw std::runtime_error("its code record '" + r.name + "' is too large, cut or does not inflate");
-      check_code(r.name, bytes);
-    } else if (!stored) {  // LibTorch deflates some records (code, debug info), never tensors
-      std::vector<unsigned char> bytes;
-      if (inner.rfind("data/", 0) == 0 || !contents(read, r, bytes, uint64_t{1} << 26))
-        throw std::runtime_error("its record '" + r.name + "' is not stored as LibTorch stores records");
-    }
   }
   if (data_version) version = data_version;
   if (!version) throw std::runtime_error("it has no version record");
