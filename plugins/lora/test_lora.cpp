@@ -107,9 +107,11 @@ TEST(Lora, QuantizedBaseWeightsTakeTheirBytesAndStayCloseToTheFloatModel) {
   const auto& a = plugin->adapted();
   const double per_param = static_cast<double>(a.stored_bytes) / static_cast<double>(a.base_bytes / 4);
   EXPECT_NEAR(per_param, 0.5 + 1.0 / 64 + 4.0 / (64 * 256), 0.01);  // 4 bits + the double-quantized scales
-  for (const auto& m : l->model()->modules(false))
-    if (auto* layer = dynamic_cast<AdaptableLinearImpl*>(m.get()); layer && layer->adapter())
+  for (const auto& m : l->model()->modules(false)) {
+    if (auto* layer = dynamic_cast<AdaptableLinearImpl*>(m.get()); layer && layer->adapter()) {
       EXPECT_EQ(layer->weight.numel(), 0);  // the float weight is gone
+    }
+  }
   const double rel = ((lora_logits(*l->model(), x) - base).norm() / base.norm()).item<double>();
   EXPECT_LT(rel, 0.1) << "nf4 changed the logits by " << rel;
   EXPECT_GT(rel, 0.0);
