@@ -2,15 +2,15 @@
 /// step_in_backward: each parameter's optimizer step runs inside backward, as soon as its
 /// gradient is complete, and the gradient is freed right after, so the gradients of the whole
 /// model are never alive together (PyTorch's "optimizer step in backward" recipe; LOMO, Lv et
-/// al. 2023). A post hook on each parameter's AccumulateGrad node (LibTorch 1.13 has no
-/// post-accumulate-grad hook on tensors; the node's hook exists in 2.x too) steps the Learner's
-/// own optimizer restricted to that parameter (step_one). The Learner's step then finds no
+/// al. 2023). A post hook on each parameter's AccumulateGrad node (frugal::GradReadyHooks)
+/// steps the Learner's own optimizer restricted to that parameter (step_one). The Learner's step then finds no
 /// gradient and changes nothing; its counters and after_step run as usual.
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <frugal/core/grad_hooks.h>
 #include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
@@ -22,30 +22,6 @@ namespace frugal::step_in_backward {
 /// in a whole step, so checkpoints are those of the plain loop. Works with any optimizer whose
 /// step walks param_groups() (every one in the registry). Returns false when no group holds p.
 bool step_one(torch::optim::Optimizer& opt, const torch::Tensor& p);
-
-/// Calls a function after each hooked parameter's gradient has been accumulated (the post
-/// hook of its AccumulateGrad node). Holds the nodes: a parameter whose node no graph and no
-/// one holds gets a new node, without the hook, at the next forward.
-class GradReadyHooks {
- public:
-  using OnReady = std::function<void(const torch::Tensor& p)>;
-  GradReadyHooks() = default;
-  GradReadyHooks(const GradReadyHooks&) = delete;
-  GradReadyHooks& operator=(const GradReadyHooks&) = delete;
-  ~GradReadyHooks() { remove(); }
-  /// Hooks every parameter of `params` that requires a gradient (after removing earlier hooks).
-  void install(const std::vector<torch::Tensor>& params, OnReady on_ready);
-  /// Removes every hook it installed.
-  void remove();
-  size_t size() const { return hooks_.size(); }
-
- private:
-  struct Hooked {
-    std::shared_ptr<torch::autograd::Node> node;
-    uintptr_t key;
-  };
-  std::vector<Hooked> hooks_;
-};
 
 /// [plugins.step_in_backward]: no keys.
 struct StepInBackwardOptions : frugal::Options {
@@ -79,7 +55,7 @@ class StepInBackward : public frugal::Callback {
   void on_ready(const torch::Tensor& p);
 
   std::shared_ptr<spdlog::logger> log_;
-  GradReadyHooks hooks_;
+  frugal::GradReadyHooks hooks_;
   frugal::Learner* learner_ = nullptr;  // while armed
   bool armed_ = false, warned_skip_ = false;
   int64_t stepped_in_backward_ = 0, stepped_total_ = 0;

@@ -223,6 +223,44 @@ TEST(DataParallelCli, GradAccumSyncsOncePerGroupAndAmpComposes) {
   EXPECT_EQ(report(amp.two)["fit"]["optimizer_steps"], report(amp.one)["fit"]["optimizer_steps"]);
 }
 
+// Buckets of 4 KiB: the MLP's gradients make several, launched from backward's hooks as each
+// completes. With two ranks a sum is the same whichever bucket carries it: the weights must be
+// bitwise those of the all-reduce after backward, with Adam and with activation checkpointing
+// (its recompute runs a backward of its own inside the outer one).
+TEST(DataParallelCli, TheAllReduceOverlappedWithBackwardGivesBitwiseTheSameWeights) {
+  TempDir dir;
+  for (const std::string& extra : {std::string(), std::string("[plugins.checkpoint]\n")}) {
+    std::map<bool, std::string> out;
+    for (const bool overlap : {true, false}) {
+      out[overlap] = dir.file("run-" + std::to_string(overlap) + std::to_string(extra.size()));
+      write_text(out[overlap] + ".toml",
+                 dp_config(out[overlap],
+                           std::string("[distributed]\nbucket_size = \"4KiB\"\noverlap = ") +
+                               (overlap ? "true\n" : "false\n") + extra,
+                           611, "adam"));
+      const auto r = run_cli("train " + out[overlap] + ".toml --nproc 2");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+    }
+    EXPECT_EQ(max_difference(weights(out[true]), weights(out[false])), 0.0) << extra;
+    const auto on = report(out[true])["distributed"], off = report(out[false])["distributed"];
+    EXPECT_TRUE(on["overlap"]["on"].get<bool>()) << on.dump();
+    EXPECT_GT(on["buckets_per_step"].get<double>(), 2) << on.dump();
+    EXPECT_GT(on["overlap"]["buckets_in_backward_per_step"].get<double>(), 1) << on.dump();
+    EXPECT_FALSE(off["overlap"]["on"].get<bool>()) << off.dump();
+    EXPECT_EQ(off["overlap"]["buckets_in_backward_per_step"].get<double>(), 0) << off.dump();
+    EXPECT_EQ(off["overlap"]["why_off"], "distributed.overlap = false") << off.dump();
+    EXPECT_EQ(on["gradient_syncs"], off["gradient_syncs"]);
+  }
+  // A backward retried on one rank would put its launched buckets on the wire twice.
+  const std::string retry = dir.file("retry");
+  write_text(retry + ".toml", dp_config(retry, "[distributed]\nbucket_size = \"4KiB\"\n", 600));
+  const auto r = run_cli("train " + retry + ".toml --nproc 2 --set run.on_oom='\"retry\"'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto d = report(retry)["distributed"];
+  EXPECT_FALSE(d["overlap"]["on"].get<bool>()) << d.dump();
+  EXPECT_NE(d["overlap"]["why_off"].get<std::string>().find("run.on_oom"), std::string::npos) << d.dump();
+}
+
 TEST(DataParallelCli, SigtermStopsBothRanksAtOneBatchAndTheResumeIsBitwise) {
   TempDir dir;
   const std::string ref = dir.file("ref"), out = dir.file("run");

@@ -371,7 +371,7 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   learner->set_max_batches(c.run.max_steps);
   add_checkpointing(c, *learner, stop);
   if (world.distributed())
-    learner->add_callback(std::make_shared<DataParallel>(c.distributed.bucket_size.bytes));
+    learner->add_callback(std::make_shared<DataParallel>(c.distributed.bucket_size.bytes, c.distributed.overlap));
   if (world.is_main())  // rank 0 writes the run's files
     learner->add_callback(std::make_shared<ModelExport>(
         model_path(c.run), std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}},

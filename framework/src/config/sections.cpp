@@ -334,6 +334,10 @@ void DistributedOptions::visit(FieldVisitor& v) {
           Limits{1, 86400});
   v.field("bucket_size", bucket_size,
           outside_training("gradient bytes per all-reduce (DDP's bucket_cap_mb)"));
+  v.field("overlap", overlap,
+          outside_training("launch each gradient bucket's all-reduce as soon as backward has "
+                           "completed it, while backward goes on (as DDP); false = all after "
+                           "backward (a bucket's copy is then never made beside activations)"));
 }
 
 }  // namespace frugal

@@ -1,6 +1,12 @@
 // DataParallel: the callback that keeps every rank's model equal (see data_parallel.h).
 #include "frugal/distributed/data_parallel.h"
 
+#include <algorithm>
+#include <unordered_map>
+#include <utility>
+
+#include <spdlog/spdlog.h>
+
 #include "frugal/core/learner.h"
 #include "frugal/distributed/distributed.h"
 
@@ -21,51 +27,158 @@ bool same_kind(const torch::Tensor& a, const torch::Tensor& b) {
   return a.scalar_type() == b.scalar_type() && a.device() == b.device();
 }
 
+/// DDP's first bucket: small, so the first all-reduce starts early in backward.
+constexpr int64_t kFirstBucketBytes = 1 << 20;
+
 }  // namespace
 
-SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes) {
-  World& w = World::get();
-  SyncVolume volume;
-  if (!w.distributed()) return volume;
-  torch::NoGradGuard no_grad;
+/// The trained parameters cut into buckets (reverse order; one dtype and device per bucket),
+/// each launched once per step in bucket order, from the hooks (ready) or after backward
+/// (finish). Every rank builds the same buckets from the same model.
+class GradientBuckets {
+ public:
+  GradientBuckets(const std::vector<torch::Tensor>& params, int64_t first_bytes,
+                  int64_t bucket_bytes) {
+    int64_t bytes = 0;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      const torch::Tensor& p = *it;
+      if (!p.requires_grad()) continue;
+      const int64_t cap = buckets_.size() <= 1 ? first_bytes : bucket_bytes;
+      if (buckets_.empty() || bytes >= cap || !same_kind(buckets_.back().params.front(), p)) {
+        buckets_.emplace_back();
+        bytes = 0;
+      }
+      Bucket& b = buckets_.back();
+      where_[p.unsafeGetTensorImpl()] = {buckets_.size() - 1, b.params.size()};
+      b.params.push_back(p);
+      const int64_t n = p.numel() * static_cast<int64_t>(p.element_size());
+      b.bytes += n;
+      bytes += n;
+    }
+    for (auto& b : buckets_) b.got.assign(b.params.size(), 0);
+  }
+
+  size_t size() const { return buckets_.size(); }
+
+  /// A new backward that completes a step: nothing complete, nothing launched.
+  void arm() {
+    for (auto& b : buckets_) {
+      std::fill(b.got.begin(), b.got.end(), 0);
+      b.ready = 0;
+      b.launched = false;
+    }
+    next_ = 0;
+    late_.clear();
+    armed_ = true;
+  }
+  bool armed() const { return armed_; }
+
+  /// From p's hook: p's gradient is complete. Launches every bucket, in order, whose
+  /// gradients all are. Returns how many it launched.
+  int64_t ready(const torch::Tensor& p) {
+    if (!armed_) return 0;
+    const auto it = where_.find(p.unsafeGetTensorImpl());
+    if (it == where_.end()) return 0;
+    Bucket& b = buckets_[it->second.first];
+    char& got = b.got[it->second.second];
+    if (b.launched) {  // a second backward through p (reentrant): its bucket already left
+      late_.push_back(p);
+      return 0;
+    }
+    if (got) return 0;
+    got = 1;
+    ++b.ready;
+    int64_t launched = 0;
+    while (next_ < buckets_.size() && buckets_[next_].ready == static_cast<int64_t>(buckets_[next_].params.size())) {
+      launch(buckets_[next_++]);
+      ++launched;
+    }
+    return launched;
+  }
+
+  /// Launches the buckets backward did not, then awaits each and divides it by the world
+  /// size; the gradients become views of the reduced buckets.
+  SyncVolume finish() {
+    armed_ = false;
+    if (!late_.empty())
+      throw std::runtime_error(
+          "data_parallel: a gradient of shape " + shape(late_.front()) + " was accumulated "
+          "again after its bucket's all-reduce had been launched (a custom autograd function "
+          "running a backward of its own through a parameter): set distributed.overlap = false");
+    while (next_ < buckets_.size()) launch(buckets_[next_++]);
+    SyncVolume v;
+    const double inv = 1.0 / static_cast<double>(World::get().size());
+    for (auto& b : buckets_) {
+      b.pending.wait();
+      b.flat.mul_(inv);
+      if (b.params.size() == 1) {
+        torch::Tensor(b.params.front()).mutable_grad() = b.flat.view(b.params.front().sizes());
+      } else {
+        const auto parts = at::unflatten_dense_tensors(b.flat, b.params);
+        for (size_t i = 0; i < b.params.size(); ++i)
+          torch::Tensor(b.params[i]).mutable_grad() = parts[i];
+      }
+      b.flat = torch::Tensor();
+      v.bytes += b.bytes;
+    }
+    v.buckets = static_cast<int64_t>(buckets_.size());
+    return v;
+  }
+
+  /// Drops what a failed step left on the wire (its results are never read).
+  void disarm() {
+    armed_ = false;
+    late_.clear();
+  }
+
+ private:
   struct Bucket {
-    std::vector<torch::Tensor> grads;
+    std::vector<torch::Tensor> params;
+    std::vector<char> got;  // this backward gave the parameter its complete gradient
+    int64_t ready = 0, bytes = 0;
+    bool launched = false;
     torch::Tensor flat;
     Pending pending;
   };
-  std::vector<Bucket> buckets;
-  int64_t bytes = 0;
-  // Reverse parameter order, as DDP: the last layers' gradients are the first backward makes.
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    torch::Tensor p = *it;
-    if (!p.requires_grad()) continue;
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);  // unused on this rank
-    const torch::Tensor& g = p.grad();
-    if (buckets.empty() || bytes >= bucket_bytes || !same_kind(buckets.back().grads.front(), g)) {
-      buckets.emplace_back();
-      bytes = 0;
+
+  static std::string shape(const torch::Tensor& t) {
+    std::string s = "[";
+    for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+    return s + "]";
+  }
+
+  /// One tensor: the gradient itself goes on the wire (no copy). Several: flattened, and the
+  /// originals freed (the flat copy is all the bucket needs until finish).
+  void launch(Bucket& b) {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> grads;
+    grads.reserve(b.params.size());
+    for (auto& p : b.params) {
+      if (!p.grad().defined()) torch::Tensor(p).mutable_grad() = torch::zeros_like(p);  // unused here
+      grads.push_back(p.grad());
     }
-    buckets.back().grads.push_back(g);
-    const int64_t n = g.numel() * static_cast<int64_t>(g.element_size());
-    bytes += n;
-    volume.bytes += n;
+    if (grads.size() == 1)
+      b.flat = grads.front().contiguous().view(-1);
+    else
+      b.flat = at::flatten_dense_tensors(grads);
+    grads.clear();
+    for (auto& p : b.params) torch::Tensor(p).mutable_grad().reset();
+    b.launched = true;
+    b.pending = World::get().all_reduce_async(b.flat);
   }
-  // Every bucket on the wire before the first is awaited: Gloo works through them in order
-  // while this thread flattens the next.
-  for (auto& b : buckets) {
-    b.flat = b.grads.size() == 1 ? b.grads.front().contiguous().view(-1).clone()
-                                 : at::flatten_dense_tensors(b.grads);
-    b.pending = w.all_reduce_async(b.flat);
-  }
-  const double inv = 1.0 / static_cast<double>(w.size());
-  for (auto& b : buckets) {
-    b.pending.wait();
-    b.flat.mul_(inv);
-    const auto parts = at::unflatten_dense_tensors(b.flat, b.grads);
-    for (size_t i = 0; i < b.grads.size(); ++i) b.grads[i].copy_(parts[i]);
-  }
-  volume.buckets = static_cast<int64_t>(buckets.size());
-  return volume;
+
+  std::vector<Bucket> buckets_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> where_;
+  std::vector<torch::Tensor> late_;
+  size_t next_ = 0;
+  bool armed_ = false;
+};
+
+SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes) {
+  if (!World::get().distributed()) return {};
+  GradientBuckets buckets(params, bucket_bytes, bucket_bytes);
+  buckets.arm();
+  return buckets.finish();
 }
 
 DataParallel* find_data_parallel(const Learner& l) {
@@ -74,9 +187,38 @@ DataParallel* find_data_parallel(const Learner& l) {
   return nullptr;
 }
 
+DataParallel::DataParallel(int64_t bucket_bytes, bool overlap)
+    : bucket_bytes_(bucket_bytes), overlap_(overlap) {}
+
+DataParallel::~DataParallel() = default;
+
 void DataParallel::before_fit(Learner& l) {
-  syncs_ = bytes_ = buckets_ = 0;
+  syncs_ = bytes_ = buckets_ = in_backward_ = 0;
   broadcast_tensors(model_tensors(*l.model(), true, true), bucket_bytes_);
+}
+
+// The stage's trained parameters (its freeze applied) make the buckets.
+void DataParallel::before_stage(Learner& l) {
+  hooks_.remove();
+  buckets_of_stage_ = std::make_unique<GradientBuckets>(
+      l.model()->parameters(), std::min(kFirstBucketBytes, bucket_bytes_), bucket_bytes_);
+  const std::string was = overlap_off_;
+  if (!overlap_)
+    overlap_off_ = "distributed.overlap = false";
+  else if (l.oom_policy().retry)
+    overlap_off_ = "run.on_oom = \"retry\": a backward retried on one rank would launch its "
+                   "buckets twice";
+  else if (!sync_taken_by_.empty())
+    overlap_off_ = sync_taken_by_ + " synchronises the gradients";
+  else
+    overlap_off_.clear();
+  if (overlap_off_.empty())
+    hooks_.install(l.model()->parameters(), [this](const torch::Tensor& p) {
+      in_backward_ += buckets_of_stage_->ready(p);
+    });
+  if (overlap_off_ != was || l.stage_index() == 0)
+    spdlog::debug("data_parallel: {} gradient bucket(s); all-reduce {}", buckets_of_stage_->size(),
+                  overlap_off_.empty() ? "overlapped with backward" : "after backward (" + overlap_off_ + ")");
 }
 
 void DataParallel::before_batch(Learner& l) {
@@ -88,10 +230,19 @@ void DataParallel::before_batch(Learner& l) {
                      static_cast<double>(total));
 }
 
+void DataParallel::before_backward(Learner& l) {
+  if (overlap_off_.empty() && sync_taken_by_.empty() && l.completes_step() && !l.batch_skipped())
+    buckets_of_stage_->arm();
+}
+
 void DataParallel::after_backward(Learner& l) {
   if (!l.completes_step()) return;
   if (!sync_taken_by_.empty()) return;  // another callback reduces (hand_over_gradient_sync)
-  const SyncVolume v = average_gradients(l.model()->parameters(), bucket_bytes_);
+  if (!buckets_of_stage_)  // a C++ user's learner that fired no before_stage
+    buckets_of_stage_ = std::make_unique<GradientBuckets>(l.model()->parameters(),
+                                                          bucket_bytes_, bucket_bytes_);
+  if (!buckets_of_stage_->armed()) buckets_of_stage_->arm();  // no overlap: all launched here
+  const SyncVolume v = buckets_of_stage_->finish();
   buckets_ += v.buckets;
   bytes_ += v.bytes;
   ++syncs_;
@@ -100,5 +251,11 @@ void DataParallel::after_backward(Learner& l) {
 void DataParallel::after_train(Learner& l) {
   broadcast_tensors(model_tensors(*l.model(), false, true), bucket_bytes_);
 }
+
+void DataParallel::release_caches(Learner&) {
+  if (buckets_of_stage_) buckets_of_stage_->disarm();
+}
+
+void DataParallel::after_fit(Learner&) { hooks_.remove(); }
 
 }  // namespace frugal

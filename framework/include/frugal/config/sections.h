@@ -43,6 +43,7 @@ struct DistributedOptions : Options {
   std::string backend = "auto";  ///< auto (nccl on CUDA, else gloo) | gloo | nccl
   int64_t timeout = 300;         ///< seconds for the rendezvous and for each collective
   ByteSize bucket_size{25 << 20};  ///< gradient bytes per all-reduce (DDP's 25 MiB)
+  bool overlap = true;             ///< launch each bucket's all-reduce from backward
   void visit(FieldVisitor& v) override;
 };
 

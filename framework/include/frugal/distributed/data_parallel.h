@@ -6,11 +6,22 @@
 ///   before_fit      rank 0's parameters and buffers to every rank (bucketed broadcasts)
 ///   before_batch    the shard's loss weight: world x shard samples / batch samples (1 when
 ///                   the batch splits evenly), so an uneven last batch still averages per sample
-///   after_backward  on the step's last micro-batch, unless the step is skipped: gradients
-///                   all-reduced in buckets of distributed.bucket_size (reverse parameter order,
-///                   as DDP), launched together, then divided by the world size. Runs before
-///                   amp's unscale (kGradientSync > kPrecision in after_* order), so every rank
-///                   sees the same non-finite gradients and skips the same steps.
+///   before_stage  the gradient buckets (reverse parameter order, as DDP: the last layers'
+///                   gradients are the first backward makes; the first bucket at most 1 MiB so
+///                   the wire starts early, the others distributed.bucket_size) and, when the
+///                   all-reduce overlaps backward, a hook on each trained parameter's
+///                   AccumulateGrad node
+///   before_backward arms the hooks on the step's last micro-batch (unless the step is skipped)
+///   (backward)      overlap: as soon as every gradient of the next bucket in order is complete,
+///                   the bucket is flattened and its all-reduce launched, while backward goes
+///                   on (buckets go on the wire in the same order on every rank); the flattened
+///                   gradients are freed, so a launched bucket costs no memory twice
+///   after_backward  on the step's last micro-batch, unless the step is skipped: the buckets
+///                   not yet launched (all of them without overlap) are launched, then each is
+///                   awaited and divided by the world size; the gradients become views of the
+///                   reduced buckets (no copy back). Runs before amp's unscale (kGradientSync >
+///                   kPrecision in after_* order), so every rank sees the same non-finite
+///                   gradients and skips the same steps.
 ///                   A callback that synchronises gradients itself (a sharded optimizer
 ///                   reducing each gradient to the one rank that steps it) takes this over
 ///                   with hand_over_gradient_sync: the all-reduce is then skipped.
@@ -19,29 +30,50 @@
 ///
 /// A parameter that trains but got no gradient on a rank (unused in its forward) contributes
 /// zeros: after the sync every rank holds the same, defined gradient.
+///
+/// The overlap is off (named in the log and report.json distributed.overlap) when
+/// distributed.overlap = false, or run.on_oom = "retry" (a backward retried on one rank would
+/// put a launched bucket on the wire twice), or another callback took the sync over. With it,
+/// a bucket's flattened copy is made while backward still holds activations: the step's peak
+/// can rise by up to one bucket.
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "frugal/core/callback.h"
+#include "frugal/core/grad_hooks.h"
 
 namespace frugal {
 
+class GradientBuckets;
+
 class DataParallel : public Callback {
  public:
-  explicit DataParallel(int64_t bucket_bytes = 25 << 20) : bucket_bytes_(bucket_bytes) {}
+  explicit DataParallel(int64_t bucket_bytes = 25 << 20, bool overlap = true);
+  ~DataParallel() override;
   std::string name() const override { return "data_parallel"; }
   int order() const override { return order::kGradientSync; }
 
   void before_fit(Learner& l) override;
+  void before_stage(Learner& l) override;
   void before_batch(Learner& l) override;
+  void before_backward(Learner& l) override;
   void after_backward(Learner& l) override;
   void after_train(Learner& l) override;
+  void release_caches(Learner& l) override;
+  void after_fit(Learner& l) override;
 
   /// Gradient all-reduces (steps synchronised) and the bytes they carried, in this fit.
   int64_t syncs() const { return syncs_; }
   int64_t bytes_reduced() const { return bytes_; }
   int64_t buckets() const { return buckets_; }
   int64_t bucket_bytes() const { return bucket_bytes_; }
+  /// Buckets launched from the hooks, while backward ran, in this fit.
+  int64_t buckets_in_backward() const { return in_backward_; }
+  /// Whether the all-reduce overlaps backward in this fit, and if not, why ("" when it does).
+  bool overlaps() const { return overlap_off_.empty(); }
+  const std::string& overlap_off_reason() const { return overlap_off_; }
 
   /// The lever for a callback that synchronises gradients its own way: from now on
   /// after_backward leaves the gradients as this rank's backward made them, and the callback
@@ -53,8 +85,11 @@ class DataParallel : public Callback {
 
  private:
   int64_t bucket_bytes_;
-  std::string sync_taken_by_;
-  int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0;
+  bool overlap_;
+  std::string sync_taken_by_, overlap_off_;
+  std::unique_ptr<GradientBuckets> buckets_of_stage_;
+  GradReadyHooks hooks_;
+  int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0, in_backward_ = 0;
 };
 
 /// What one average_gradients call sent: its buckets and their gradient bytes.
@@ -63,7 +98,8 @@ struct SyncVolume {
 };
 
 /// Every gradient of `params` (those that train) summed across ranks and divided by the world
-/// size, in buckets of `bucket_bytes` all launched before the first is awaited.
+/// size, in buckets of `bucket_bytes` all launched before the first is awaited; the gradients
+/// become views of the reduced buckets.
 SyncVolume average_gradients(const std::vector<torch::Tensor>& params, int64_t bucket_bytes);
 
 /// The DataParallel callback `l` runs, or nullptr (one process; a C++ user who did not add it).
