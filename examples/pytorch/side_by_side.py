@@ -56,6 +56,44 @@ the gpt's epoch is its run.max_steps steps); the step: forward, loss, backward a
 of one batch, its gathering excluded (frugal's fit.step_seconds.median), the first run.warmup
 steps of each stage left out. Peak RSS: each child's ru_maxrss (wait4). Neither side sets a
 thread count unless the config has run.threads.
+
+Data parallel, --nproc N (N > 1; the mlp and cnn configs, a gpt config is refused): frugal's own
+data parallel, `frugal train CONFIG --nproc N --set run.threads=1` (N ranks on loopback, Gloo),
+against PyTorch's DistributedDataParallel with the Gloo backend on N processes, which this script
+starts itself with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port; Debian's torchrun for torch 1.13 does not
+start). The table in benchmarks/ddp_side_by_side.md is made on an idle machine by
+
+    /usr/bin/python3 examples/pytorch/side_by_side.py --frugal build/bin/frugal --nproc 2 \\
+        --config examples/configs/side_by_side_mlp.toml \\
+        --config examples/configs/side_by_side_cnn.toml --rounds 3 \\
+        --out benchmarks/ddp_side_by_side.md
+
+- threads as torchrun sets them for nproc > 1, on both sides: OMP_NUM_THREADS=1 and
+  OPENBLAS_NUM_THREADS=1 in every rank's environment, frugal with --set run.threads=1 (its
+  report.json threads and blas_threads are in the footnote), each PyTorch rank with
+  torch.set_num_threads(1) (what torch and OpenBLAS report, every rank, in the footnote);
+- PyTorch at its best: every round runs DDP with each allocator (glibc, jemalloc, tcmalloc
+  preloaded in every rank) and, with --bucket-view both (the default), with
+  gradient_as_bucket_view False (DDP's default) and True: six variants; the fastest median epoch
+  is DDP's best. DDP's other defaults stay (bucket_cap_mb 25, broadcast_buffers on);
+- the same work: data.batch_size is the global batch; every rank draws frugal's one seeded order
+  and rank r takes rows [n*r//N, n*(r+1)//N) of each batch of n (frugal's
+  DataLoader::set_shard); a batch that splits unevenly multiplies a rank's loss by its rows x N /
+  n before backward (DataParallel::before_batch), a last batch smaller than N is dropped (train
+  and validation alike, DataLoader::num_batches); gradients are averaged over the ranks;
+  BatchNorm's running statistics are rank 0's, sent to every rank after each epoch's training;
+  validation scores each rank's rows of every validation batch and all-reduces the float64 sums
+  (examples/pytorch/ddp_worker.py has the PyTorch rank and the details);
+- timed: rank 0's training epoch and median step (frugal's report.json fit.train_seconds and
+  fit.step_seconds.median come from rank 0); peak RSS: each PyTorch rank's ru_maxrss, and for
+  frugal the wait4 ru_maxrss of its --nproc launcher, which covers the ranks it waited for (the
+  largest process of the tree; report.json's distributed.ranks[].peak_bytes is tracked tensor
+  bytes, not RSS);
+- checked: every PyTorch DDP run (all variants and rounds) ends bitwise equal, and so does every
+  frugal round (else the exit status is 1); frugal against DDP: rank 0's train loss (its shard
+  losses summed in float32, as frugal) and the validation loss and accuracy, with every
+  difference, a warning when the printed digits differ.
 """
 import argparse, gzip, json, math, os, shlex, statistics, subprocess, sys, tempfile, time, tomllib
 from pathlib import Path
@@ -294,8 +332,21 @@ def allocator_in_use():
     return next((n for n, stem in stems if stem in maps), "glibc")
 
 
-def pytorch_worker(c, result_path):
-    res = gpt_module().train_pytorch(c, live_bytes=False) if c["kind"] == "gpt" else train_image(c)
+def ddp_module():
+    """examples/pytorch/ddp_worker.py: one rank of PyTorch DDP, trained as frugal's rank."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import ddp_worker
+    return ddp_worker
+
+
+def pytorch_worker(c, result_path, ddp=False):
+    if ddp:
+        res = ddp_module().train_ddp(c, sys.modules[__name__])
+    else:
+        res = (gpt_module().train_pytorch(c, live_bytes=False) if c["kind"] == "gpt"
+               else train_image(c))
     core, threads = blas_core()
     res.update(blas_core=core, blas_threads=threads, allocator=allocator_in_use())
     Path(result_path).write_text(json.dumps(res, indent=1))
@@ -314,11 +365,11 @@ def run_child(argv, log, env=None):
     return usage.ru_maxrss * 1024
 
 
-def run_frugal(args, config, workdir):
+def run_frugal(args, config, workdir, extra=(), env=None):
     out = Path(workdir, "frugal")
     rss = run_child([args.frugal, "train", config, "--overwrite", *args.set_argv, "--set",
-                     f'run.out_dir="{out}"', "--set", 'run.progress="none"'],
-                    Path(workdir, "frugal.log"))
+                     f'run.out_dir="{out}"', "--set", 'run.progress="none"', *extra],
+                    Path(workdir, "frugal.log"), env)
     path = out / "report.json"
     if not path.is_file():
         sys.exit(f"frugal exited 0 but wrote no {path}")
@@ -331,7 +382,8 @@ def run_frugal(args, config, workdir):
                 final_loss=fit["final_loss"], valid_accuracy=fit.get("valid_accuracy"),
                 valid_loss=fit.get("valid_loss"), threads=report.get("threads"),
                 blas_threads=report.get("blas_threads"), rss=rss,
-                blas=blas if isinstance(blas, dict) else None)
+                blas=blas if isinstance(blas, dict) else None,
+                **({"distributed": report["distributed"]} if "distributed" in report else {}))
 
 
 def frugal_switched(blas):
@@ -367,6 +419,345 @@ def run_pytorch(args, config, workdir, variant, lib, frugal_blas):
         sys.exit(f"the PyTorch child for {variant} ran on {res.get('allocator')}'s malloc "
                  f"(LD_PRELOAD={lib}); see {Path(workdir, f'pytorch-{variant}.log')}")
     return dict(res, rss=rss, coretype=env.get("OPENBLAS_CORETYPE"))
+
+
+# ---------------------------------------------------------------- data parallel (--nproc N)
+
+# torchrun's variables: none inherited (frugal's launcher and the PyTorch ranks get their own).
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID")
+
+
+def rank_env(env):
+    """A rank's threads as torchrun sets them for nproc > 1 (OMP_NUM_THREADS=1), and OpenBLAS
+    on one thread too; no torchrun variables inherited."""
+    for k in TORCHRUN_VARS:
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return env
+
+
+def ddp_variants(args):
+    """(key, allocator, preloaded library, gradient_as_bucket_view) of each PyTorch DDP run."""
+    views = {"both": [False, True], "off": [False], "on": [True]}[args.bucket_view]
+    return [(n + ("+view" if v else ""), n, lib, v) for v in views for n, lib in args.variants]
+
+
+def ddp_label(key):
+    alloc, _, view = key.partition("+")
+    return alloc + (", bucket view" if view else "")
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_frugal_ddp(args, config, workdir):
+    """`frugal train CONFIG --nproc N` on one thread per rank; its peak RSS: wait4's ru_maxrss of
+    the launcher, which covers the ranks it waited for (the largest process of the tree)."""
+    res = run_frugal(args, config, workdir,
+                     ["--nproc", str(args.nproc), "--set", "run.threads=1"],
+                     rank_env(dict(os.environ)))
+    resolved = json.loads(Path(workdir, "frugal", "report.json").read_text()).get("config")
+    if isinstance(resolved, dict):  # the [distributed] options it ran with (bucket size, ...)
+        res["distributed_config"] = resolved.get("distributed")
+    return res
+
+
+def run_pytorch_ddp(args, config, workdir, key, alloc, lib, view, frugal_blas):
+    """N PyTorch DDP ranks (side_by_side.py --worker ddp), torchrun's environment, a free port on
+    loopback; rank 0's measurements with every rank's peak RSS (wait4 of each rank)."""
+    n = args.nproc
+    env = rank_env(pytorch_env(args, lib, frugal_blas))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n),
+               LOCAL_WORLD_SIZE=str(n))
+    results = [Path(workdir, f"ddp-{key}-rank{r}.json") for r in range(n)]
+    logs = [Path(workdir, f"ddp-{key}-rank{r}.log") for r in range(n)]
+    procs = []
+    for r in range(n):
+        results[r].unlink(missing_ok=True)
+        with open(logs[r], "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", "ddp", "--config", config,
+                 *args.set_argv, "--nproc", str(n), "--bucket-view", "on" if view else "off",
+                 "--result", str(results[r])],
+                stdout=f, stderr=subprocess.STDOUT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+    rank_of = {p.pid: r for r, p in enumerate(procs)}
+    rss, failed = [0] * n, None
+    while rank_of:
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in rank_of:
+            continue
+        r = rank_of.pop(pid)
+        procs[r].returncode = code = os.waitstatus_to_exitcode(status)  # reaped here
+        rss[r] = usage.ru_maxrss * 1024
+        if code != 0 and failed is None:
+            failed = (r, code)
+            for p in procs:  # the others would wait in a collective until the timeout
+                if p.pid in rank_of:
+                    p.terminate()
+    if failed:
+        r, code = failed
+        tail = logs[r].read_text(errors="replace")[-3000:]
+        sys.exit(f"PyTorch DDP rank {r} ({key}) failed (exit {code}); the end of {logs[r]}:\n{tail}")
+    ranks = [json.loads(p.read_text()) for p in results]
+    for r, res in enumerate(ranks):
+        if res.get("allocator") != alloc:  # the preload did not take: the row would be a lie
+            sys.exit(f"PyTorch DDP rank {r} for {key} ran on {res.get('allocator')}'s malloc "
+                     f"(LD_PRELOAD={lib}); see {logs[r]}")
+    return dict(ranks[0], rss=max(rss), rss_ranks=rss, coretype=env.get("OPENBLAS_CORETYPE"),
+                rank_threads=[(res["threads"], res.get("blas_threads")) for res in ranks])
+
+
+def ddp_exactness(name, f_runs, p_runs):
+    """(problems that fail the run, warnings, a sentence for the footnote): PyTorch's runs must
+    be bitwise equal among themselves, and frugal's rounds (one thread per rank: no choice left
+    to run.threads); frugal against PyTorch, every difference."""
+    keys = ("final_loss", "valid_loss", "valid_accuracy")
+    exact = lambda rs: len({json.dumps([r.get(k) for k in keys]) for r in rs}) == 1
+    fails, warns = [], []
+    pt = [r for rs in p_runs.values() for r in rs]
+    if not exact(pt):
+        fails.append(f"{name}: the PyTorch DDP runs differ among themselves: " + "; ".join(
+            f"{ddp_label(v)} round {i + 1}: train loss {r['final_loss']!r}, valid loss "
+            f"{r.get('valid_loss')!r}, valid acc {r.get('valid_accuracy')!r}"
+            for v, rs in p_runs.items() for i, r in enumerate(rs)))
+    if not exact(f_runs):
+        fails.append(f"{name}: frugal's rounds differ among themselves: train losses "
+                     + ", ".join(f"{r['final_loss']!r}" for r in f_runs))
+    f, p = f_runs[0], pt[0]
+    fmt = lambda k, a: "-" if a is None else (f"{100 * a:.2f}%" if k == "valid_accuracy"
+                                              else f"{a:.8g}")
+    parts = []
+    for k, label in zip(keys, ("train loss", "valid loss", "valid acc")):
+        a, b = f.get(k), p.get(k)
+        d = "" if a is None or b is None else f" (|difference| {abs(a - b):.2g})"
+        parts.append(f"{label} {fmt(k, a)} / {fmt(k, b)}{d}")
+    bitwise = all(f.get(k) == p.get(k) for k in keys)
+    if printed(f) != printed(p):
+        warns.append(f"{name}: frugal {args_nproc_text(f)} and PyTorch DDP differ in the printed "
+                     "digits (" + ", ".join(parts) + ")")
+    same = lambda rs: "bitwise equal" if exact(rs) else "NOT all equal (see the warnings)"
+    return fails, warns, (
+        f"{name}: PyTorch DDP's {len(pt)} runs (all allocators"
+        + (", both gradient_as_bucket_view settings" if any("+" in k for k in p_runs)
+           and any("+" not in k for k in p_runs) else "") + f" and rounds) "
+        f"{same(pt)}, frugal's {len(f_runs)} round(s) {same(f_runs)}; frugal against PyTorch "
+        "DDP (rank 0's train loss, the all-reduced validation): "
+        + ("bitwise equal, " if bitwise else "") + ", ".join(parts))
+
+
+def args_nproc_text(f):
+    return f"{(f.get('distributed') or {}).get('world_size', '?')}-rank"
+
+
+def ddp_cell_rss(s):
+    ranks = s.get("rss_ranks_median")
+    return " / ".join(f"{b / (1 << 20):.1f}" for b in ranks) if ranks else \
+        f"{s['rss'] / (1 << 20):.1f} (largest process)"
+
+
+def ddp_table(args, rows, machine, notes):
+    MiB, r = 1 << 20, lambda a, b: f"{a / b:.2f}" if b else "-"
+    keys = [k for k, *_ in ddp_variants(args)]
+    n = args.nproc
+    lines = [f"`{shlex.join([sys.executable] + sys.argv)}`", "",
+             f"| model | epoch (s) frugal {n} ranks | "
+             + " | ".join(f"epoch (s) DDP {ddp_label(k)}" for k in keys)
+             + " | DDP at its best | frugal / best "
+             "| step (ms) frugal | step (ms) DDP | frugal / DDP "
+             "| peak RSS (MiB) frugal, largest process | peak RSS (MiB) DDP, largest rank "
+             "| frugal / DDP "
+             "| train loss frugal | train loss DDP | valid loss frugal | valid loss DDP "
+             "| valid acc frugal | valid acc DDP |",
+             "|---|---:|" + "---:|" * len(keys) + "---|" + "---:|" * 13]
+    for cfg, f, ps, best in rows:
+        p = ps[best]
+        fp, pp = printed(f), printed(p)
+        what = describe(cfg).replace(f"batch {cfg['batch']},",
+                                     f"global batch {cfg['batch']} ({n} ranks),")
+        lines.append(
+            f"| {what} | {cell(f)} | " + " | ".join(cell(ps.get(k)) for k in keys)
+            + f" | {ddp_label(best)} | {r(f['epoch'], p['epoch'])} "
+            f"| {1e3 * f['step_seconds']:.2f} | {1e3 * p['step_seconds']:.2f} "
+            f"| {r(f['step_seconds'], p['step_seconds'])} "
+            f"| {f['rss'] / MiB:.1f} | {p['rss'] / MiB:.1f} | {r(f['rss'], p['rss'])} "
+            f"| {fp['train_loss']} | {pp['train_loss']} | {fp['valid_loss']} | {pp['valid_loss']} "
+            f"| {fp['valid_acc']} | {pp['valid_acc']} |")
+    lines += ["", "Each run's medians (epoch: median and range over the rounds; rank 0's epoch and "
+              "step):", "",
+              "| config | run | epoch (s) | step (ms) | peak RSS (MiB), " +
+              " / ".join(f"rank {i}" for i in range(n)) + " |", "|---|---|---:|---:|---:|"]
+    for (cfg, f, ps, best), config in zip(rows, args.config):
+        for who, s in [(f"frugal --nproc {n}", f)] + [
+                (f"DDP {ddp_label(k)}" + (" (best)" if k == best else ""), ps[k])
+                for k in keys if k in ps]:
+            lines.append(f"| {Path(config).stem} | {who} | {cell(s)} "
+                         f"| {1e3 * s['step_seconds']:.2f} | {ddp_cell_rss(s)} |")
+    lb, la = (", ".join(f"{x:.2f}" for x in machine[k]) for k in ("load_before", "load_after"))
+    lines += ["", f"{machine['cpu']}, {machine['cores']} cores; load average (1, 5, 15 min) "
+              f"{lb} before the first round, {la} after the last"
+              + (f". **The machine was not idle** (1-minute load {machine['load_before'][0]:.2f} "
+                 "> 0.5 at the start): these times are not the README's"
+                 if machine["load_before"][0] > 0.5 else "") + ".", ""]
+    lines += [f"{args.rounds} round(s), each run on its own (its {n} ranks together), the order "
+              f"(frugal, then PyTorch DDP with " + ", ".join(ddp_label(k) for k in keys)
+              + ") reversed every other round; each figure is the median over the rounds, the "
+              "epoch's range (min-max) in brackets."
+              + (" **Fewer than 3 rounds: no spread worth the name**; the README's figures take "
+                 "3 or more." if args.rounds < 3 else ""), ""]
+    view = {"both": "each with gradient_as_bucket_view False (DDP's default) and True",
+            "off": "gradient_as_bucket_view False (DDP's default; --bucket-view off)",
+            "on": "gradient_as_bucket_view True (--bucket-view on)"}[args.bucket_view]
+    lines += [f"Data parallel on {n} processes of this machine, Gloo on loopback "
+              "(127.0.0.1, a free port each run). frugal: `frugal train CONFIG --nproc "
+              f"{n} --set run.threads=1` (its own launcher and data parallel: gradients "
+              "all-reduced in buckets, summed then times 1/N; its [distributed] options below). "
+              "PyTorch: "
+              "torch.nn.parallel.DistributedDataParallel, backend gloo, one process per rank "
+              "started by this script with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, "
+              "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), DDP's defaults (bucket_cap_mb 25, "
+              "broadcast_buffers on, the all-reduce overlapped with the backward), " + view
+              + "; each allocator variant preloaded in every rank: glibc's malloc (no preload) "
+              "and " + " and ".join(f"{a} (LD_PRELOAD={lib})" for a, lib in args.variants if lib)
+              + "; the variant with the lowest median epoch is DDP at its best, and the step, "
+              "peak RSS and frugal / DDP columns are against it."
+              + "".join(f" **{a} skipped**: {lib} is missing (`apt-get install "
+                        f"{'libjemalloc2' if a == 'jemalloc' else 'libtcmalloc-minimal4'}`, or "
+                        "`bash third_party/install-deps.sh --bench`)."
+                        for a, lib in args.skipped), ""]
+    lines += [notes["threads"], ""]
+    lines += [notes["blas"], ""]
+    lines += ["Exactness: " + "; ".join(notes["exact"]) + "." + "".join(
+        f" **Warning: {w}.**" for w in notes["warnings"]), ""]
+    lines += [f"On the CPU; torch {rows[0][2][rows[0][3]]['torch_version']}. The same work on "
+              "both sides: the same initial weights (torch.manual_seed(run.seed), modules built "
+              "in frugal's order, rank 0's sent to every rank), every rank drawing frugal's one "
+              f"seeded order, data.batch_size the global batch: rank r of {n} trains on rows "
+              f"[B*r/{n}, B*(r+1)/{n}) of each batch of B (frugal's DataLoader::set_shard), a "
+              "batch that splits unevenly weighted per sample (a rank's loss times its rows x "
+              "ranks / B before backward, as frugal's DataParallel::before_batch; "
+              f"{notes['weighted']}), a last batch smaller than the world dropped; gradients "
+              f"averaged over the ranks; BatchNorm's running statistics rank 0's, sent to every "
+              "rank after the epoch's training. Epoch: rank 0's training epoch, its first batch "
+              "to its last (gathering and normalizing its shard included; data loading, "
+              "validation and start-up excluded; frugal's report.json fit.train_seconds / "
+              "epochs). Step: rank 0's median forward, loss, backward, all-reduce and optimizer "
+              "step after run.warmup batches (fit.step_seconds.median). Peak RSS: ru_maxrss "
+              "(runtime, libraries and the whole dataset, which every rank holds): each PyTorch "
+              "rank's from wait4; frugal's from wait4 of its `--nproc` launcher, whose ru_maxrss "
+              "covers the ranks it waited for, so it is the largest process of the tree, not "
+              "each rank's (report.json's distributed.ranks[].peak_bytes counts frugal's tracked "
+              "tensor bytes, not RSS), and the ratio compares it with DDP's largest rank. Train "
+              "loss: rank 0's, the mean of its shard losses over the last epoch (summed in "
+              "float32, as frugal); valid loss and acc: every validation sample once, each rank "
+              "scoring its rows of every validation batch, the sums all-reduced."]
+    return "\n".join(lines) + "\n"
+
+
+def ddp_threads_note(args, rows_runs):
+    """What each side ran on, as the processes reported it."""
+    f_threads = sorted({f"{r.get('threads')} + BLAS {r.get('blas_threads')}"
+                        for f_runs, _ in rows_runs for r in f_runs})
+    p_threads = sorted({f"{t} + BLAS {b}" for _, p_runs in rows_runs for rs in p_runs.values()
+                        for r in rs for t, b in r["rank_threads"]})
+    dist = sorted({f"{d.get('backend')}, world {d.get('world_size')}, "
+                   f"{d.get('buckets_per_step', 0):g} bucket(s) per step"
+                   for f_runs, _ in rows_runs for r in f_runs
+                   if (d := r.get("distributed"))})
+    views = sorted({str(r.get("grads_are_bucket_views")) for _, p_runs in rows_runs
+                    for k, rs in p_runs.items() if k.endswith("+view") for r in rs})
+    opts = sorted({json.dumps(r.get("distributed_config"), sort_keys=True)
+                   for f_runs, _ in rows_runs for r in f_runs if r.get("distributed_config")})
+    dist = [d + (f" (resolved [distributed]: {'; '.join(opts)})" if opts else "") for d in dist]
+    return (f"Threads, as torchrun sets them for nproc > 1: OMP_NUM_THREADS=1 and "
+            "OPENBLAS_NUM_THREADS=1 in every rank's environment on both sides, frugal with "
+            "`--set run.threads=1`, each PyTorch rank with torch.set_num_threads(1). What ran "
+            "(intra-op threads + OpenBLAS's threads): frugal rank 0 (report.json threads + "
+            "blas_threads) " + "/".join(f_threads) + "; PyTorch, every rank "
+            "(torch.get_num_threads() + openblas_get_num_threads()) " + "/".join(p_threads)
+            + ". frugal's report.json distributed: " + ("; ".join(dist) or "absent")
+            + "." + (f" DDP with gradient_as_bucket_view: the gradients were views of its "
+                     f"buckets after training: {'/'.join(views)}." if views else ""))
+
+
+def main_ddp(args, cfgs):
+    """--nproc N: frugal's N-rank data parallel against PyTorch DDP on N processes."""
+    for config, cfg in zip(args.config, cfgs):
+        if cfg["kind"] != "image":
+            sys.exit(f"{config}: --nproc {args.nproc} compares data parallel on the Fashion-MNIST "
+                     "mlp and cnn only; the gpt config is for the single-process comparison "
+                     "(drop --nproc)")
+        if cfg["batch"] < args.nproc:
+            sys.exit(f"{config}: data.batch_size = {cfg['batch']} is smaller than the "
+                     f"{args.nproc} ranks (frugal refuses it too)")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="side_by_side_ddp_")
+    machine = machine_info()
+    if machine["load_before"][0] > 0.5:
+        print(f"side_by_side: warning: the 1-minute load is {machine['load_before'][0]:.2f} "
+              "(> 0.5): the machine is not idle, the times will say so", file=sys.stderr)
+    variants = ddp_variants(args)
+    rows_runs = []
+    for i, (config, cfg) in enumerate(zip(args.config, cfgs)):
+        wd = Path(workdir, f"{i}-{Path(config).stem}")
+        wd.mkdir(parents=True, exist_ok=True)
+        f_runs, p_runs = [], {k: [] for k, *_ in variants}
+        for k in range(args.rounds):  # the order reversed every other round
+            order = [("frugal", None, None, None)] + variants
+            for key, alloc, lib, view in order[::1 if k % 2 == 0 else -1]:
+                if key == "frugal":
+                    f_runs.append(run_frugal_ddp(args, config, wd))
+                    continue
+                blas = f_runs[-1]["blas"] if f_runs else None  # frugal went first in round 1
+                p_runs[key].append(run_pytorch_ddp(args, config, wd, key, alloc, lib, view, blas))
+            print(f"{config} --nproc {args.nproc} round {k + 1}: final train loss frugal "
+                  f"{f_runs[-1]['final_loss']:.6f}"
+                  + "".join(f", DDP {ddp_label(v)} {rs[-1]['final_loss']:.6f}"
+                            for v, rs in p_runs.items())
+                  + f"; epoch {f_runs[-1]['train_seconds']:.2f} s" + "".join(
+                      f" / {rs[-1]['train_seconds']:.2f} s" for rs in p_runs.values()),
+                  file=sys.stderr)
+        rows_runs.append((f_runs, p_runs))
+    machine["load_after"] = os.getloadavg()
+    rows, fails = [], []
+    notes = dict(exact=[], warnings=[])
+    for config, cfg, (f_runs, p_runs) in zip(args.config, cfgs, rows_runs):
+        ps = {}
+        for v, rs in p_runs.items():
+            ps[v] = summary(cfg, rs)
+            ps[v]["rss_ranks_median"] = [statistics.median(r["rss_ranks"][i] for r in rs)
+                                         for i in range(args.nproc)]
+        best = min(ps, key=lambda v: ps[v]["epoch"])
+        rows.append((cfg, summary(cfg, f_runs), ps, best))
+        fl, wa, sentence = ddp_exactness(Path(config).stem, f_runs, p_runs)
+        fails += fl
+        notes["warnings"] += fl + wa
+        notes["exact"].append(sentence)
+    for config, (f_runs, p_runs) in zip(args.config, rows_runs):  # what ran, not what was asked
+        ran = {(r.get("threads"), r.get("blas_threads")) for r in f_runs} | {
+            t for rs in p_runs.values() for r in rs for t in r["rank_threads"]}
+        if ran != {(1, 1)}:
+            notes["warnings"].append(
+                f"{Path(config).stem}: not every rank ran on 1 thread + OpenBLAS on 1 (intra-op, "
+                f"OpenBLAS threads seen: {sorted(ran, key=str)})")
+    weighted = sorted({r.get("weighted_batches", 0) for _, p_runs in rows_runs
+                       for rs in p_runs.values() for r in rs})
+    notes["weighted"] = ("no batch split unevenly in these runs" if weighted == [0] else
+                         "batches weighted per epoch on rank 0: " + "/".join(map(str, weighted)))
+    notes["blas"] = blas_note(args, rows_runs)
+    notes["threads"] = ddp_threads_note(args, rows_runs)
+    text = ddp_table(args, rows, machine, notes)
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
+    for w in notes["warnings"]:
+        print(f"side_by_side: warning: {w}", file=sys.stderr)
+    if fails:
+        sys.exit("side_by_side: an exactness check failed (the table says which)")
 
 
 def describe(c):
@@ -568,14 +959,25 @@ def main():
                     help="do not start PyTorch on the OpenBLAS kernels frugal chose "
                          "(OPENBLAS_CORETYPE): measures what frugal's choice is worth")
     ap.add_argument("--workdir", help="folder for the runs (default: a new temporary folder)")
-    ap.add_argument("--worker", choices=["pytorch"], help=argparse.SUPPRESS)
+    ap.add_argument("--nproc", type=int, default=1, metavar="N",
+                    help="data parallel: frugal train --nproc N against PyTorch DDP (Gloo) on N "
+                         "processes, one thread each (default 1: the single-process comparison)")
+    ap.add_argument("--bucket-view", choices=["both", "off", "on"], default="both",
+                    help="with --nproc: DDP's gradient_as_bucket_view, both measured (default) "
+                         "or only off (DDP's default) or on")
+    ap.add_argument("--worker", choices=["pytorch", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     cfgs = [read_config(path, args.set) for path in args.config]
+    if args.worker == "ddp":
+        return pytorch_worker(dict(cfgs[0], bucket_view=args.bucket_view == "on"), args.result,
+                              ddp=True)
     if args.worker:
         return pytorch_worker(cfgs[0], args.result)
     if args.rounds < 1:
         sys.exit(f"--rounds {args.rounds}: at least 1 (3 or more for a spread)")
+    if args.nproc < 1:
+        sys.exit(f"--nproc {args.nproc}: at least 1")
     if not args.frugal or not (os.path.isfile(args.frugal) and os.access(args.frugal, os.X_OK)):
         sys.exit(f"--frugal: no executable at {args.frugal!r} (build it first)")
     args.set_argv = [a for s in args.set for a in ("--set", s)]
@@ -583,6 +985,8 @@ def main():
     args.skipped = [(n, lib) for n, lib in ALLOCATORS if (n, lib) not in args.variants]
     for n, lib in args.skipped:
         print(f"side_by_side: {lib} is missing: PyTorch with {n} skipped", file=sys.stderr)
+    if args.nproc > 1:
+        return main_ddp(args, cfgs)
     workdir = args.workdir or tempfile.mkdtemp(prefix="side_by_side_")
     machine = machine_info()
     if machine["load_before"][0] > 0.5:

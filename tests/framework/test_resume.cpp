@@ -568,7 +568,7 @@ TEST(ResumeConfig, TheMarkedRunKeysAreExactlyTheOnesThatMayDiffer) {
   std::vector<std::string> keys = Config{}.keys_outside_training();
   std::sort(keys.begin(), keys.end());
   EXPECT_EQ(keys, (std::vector<std::string>{
-                      "distributed.backend", "distributed.bucket_size", "distributed.timeout",
+                      "distributed.backend", "distributed.bucket_size", "distributed.overlap", "distributed.timeout",
                       "run.checkpoint_epochs", "run.checkpoint_every", "run.device",
                       "run.keep_checkpoints", "run.log_every", "run.max_steps",
                       "run.memory_budget", "run.metrics", "run.micro_batch", "run.on_oom",

@@ -6,6 +6,7 @@
 
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
+#include "frugal/distributed/data_parallel.h"
 #include "frugal/optim/fused.h"
 
 namespace frugal {
@@ -75,10 +76,19 @@ NonFiniteCheck::Mode NonFiniteCheck::parse_mode(const std::string& s) {
                     "error) and \"skip\" (skip the step and count it)");
 }
 
-void NonFiniteCheck::before_fit(Learner&) {
+void NonFiniteCheck::before_fit(Learner& l) {
   skipped_ = 0;
   last_.reset();
+  dp_ = find_data_parallel(l);
+  if (dp_) loss_slot_ = dp_->flag_slot();
   snapshot_due_ = true;  // a fit (and a resumed one: checkpoints hold no gradients) starts a step
+}
+
+void NonFiniteCheck::before_backward(Learner& l) {
+  if (!dp_) return;
+  if (l.micro_index() == 0) loss_bad_ = false;
+  loss_bad_ = loss_bad_ || (l.loss().defined() && !std::isfinite(l.loss().item<double>()));
+  dp_->set_flag(loss_slot_, loss_bad_);
 }
 
 // The step's first forward: later ones (micro-batches, the batches of an accumulation group, a
@@ -107,8 +117,12 @@ void NonFiniteCheck::before_step(Learner& l) {
   if (!skipped_by_another)
     if (auto p = first_nonfinite_gradient(*l.model())) e.parameter = *p;
   const bool bad_here = !std::isfinite(e.loss) || !e.parameter.empty();
-  // Data parallel: the gradients are the same on every rank (all-reduced), the losses are not.
-  if (!l.collective().any(bad_here)) return;
+  // Data parallel: the gradients are the same on every rank (all-reduced), the losses are not:
+  // whether any rank's was non-finite came with the gradients, or is asked here.
+  const bool bad_anywhere = dp_ && dp_->synced_this_batch()
+                                ? !e.parameter.empty() || dp_->any_flag(loss_slot_)
+                                : l.collective().any(bad_here);
+  if (!bad_anywhere) return;
   e.what = !bad_here ? "loss or gradient" : std::isfinite(e.loss) ? "gradient" : "loss";
   e.stage = l.stage_index();
   e.stage_name = l.stage().name;

@@ -7,6 +7,7 @@
 #include "frugal/base/error.h"
 #include "frugal/callbacks/checkpoint_writer.h"
 #include "frugal/core/learner.h"
+#include "frugal/distributed/data_parallel.h"
 
 namespace frugal {
 
@@ -92,17 +93,26 @@ StopCallback::StopCallback(const StopRequest& request, std::shared_ptr<Checkpoin
                            nlohmann::json info, std::shared_ptr<spdlog::logger> log)
     : request_(request), history_(std::move(history)), info_(std::move(info)), log_(std::move(log)) {}
 
-void StopCallback::before_fit(Learner&) {
+void StopCallback::before_fit(Learner& l) {
   stopped_ = false;
+  dp_ = find_data_parallel(l);
+  if (dp_) slot_ = dp_->flag_slot();
   checkpoint_.clear();
   history_->unseal();
+}
+
+void StopCallback::before_backward(Learner&) {
+  if (dp_) dp_->set_flag(slot_, request_.requested());
 }
 
 void StopCallback::after_batch(Learner& l) {
   if (stopped_ || !no_pending_gradients(l)) return;
   // Data parallel: a signal reaches the ranks at different batches; all stop at the first
-  // batch after any saw it (one all-reduce of a flag per batch).
-  if (!l.collective().any(request_.requested())) return;
+  // batch after any saw it: the flag came with the step's gradients (a request after this
+  // rank's backward is seen at the next batch), or one all-reduce of it here.
+  const bool any = dp_ && dp_->synced_this_batch() ? dp_->any_flag(slot_)
+                                                   : l.collective().any(request_.requested());
+  if (!any) return;
   at_ = l.position();
   // The CheckpointWriter (which runs before this in after_batch) may have written this very
   // position already.

@@ -96,6 +96,13 @@ class GradientBuckets {
     return launched;
   }
 
+  /// Flags summed with the last bucket (read when it launches: at the end of backward or in
+  /// finish), and after finish whether any rank set each.
+  void set_flags(const std::vector<char>* flags) { flags_ = flags; }
+  const std::vector<char>& flags_any() const { return flags_any_; }
+  /// Whether the flags can ride (a bucket to carry them).
+  bool carries_flags() const { return !buckets_.empty(); }
+
   /// Launches the buckets backward did not, then awaits each and divides it by the world
   /// size; the gradients become views of the reduced buckets.
   SyncVolume finish() {
@@ -108,8 +115,15 @@ class GradientBuckets {
     while (next_ < buckets_.size()) launch(buckets_[next_++]);
     SyncVolume v;
     const double inv = 1.0 / static_cast<double>(World::get().size());
+    flags_any_.assign(flags_ ? flags_->size() : 0, 0);
     for (auto& b : buckets_) {
       b.pending.wait();
+      if (b.flags > 0) {  // the flags' sums, then the gradients alone
+        const int64_t n = b.flat.numel() - b.flags;
+        const torch::Tensor sums = b.flat.narrow(0, n, b.flags).to(torch::kFloat);
+        for (int64_t i = 0; i < b.flags; ++i) flags_any_[static_cast<size_t>(i)] = sums[i].item<float>() > 0.5f;
+        b.flat = b.flat.narrow(0, 0, n);
+      }
       b.flat.mul_(inv);
       if (b.params.size() == 1) {
         torch::Tensor(b.params.front()).mutable_grad() = b.flat.view(b.params.front().sizes());
@@ -135,7 +149,7 @@ class GradientBuckets {
   struct Bucket {
     std::vector<torch::Tensor> params;
     std::vector<char> got;  // this backward gave the parameter its complete gradient
-    int64_t ready = 0, bytes = 0;
+    int64_t ready = 0, bytes = 0, flags = 0;
     bool launched = false;
     torch::Tensor flat;
     Pending pending;
@@ -157,10 +171,18 @@ class GradientBuckets {
       if (!p.grad().defined()) torch::Tensor(p).mutable_grad() = torch::zeros_like(p);  // unused here
       grads.push_back(p.grad());
     }
-    if (grads.size() == 1)
+    b.flags = flags_ && &b == &buckets_.back() ? static_cast<int64_t>(flags_->size()) : 0;
+    if (b.flags > 0) {  // the flags after the gradients: one copy of both
+      std::vector<torch::Tensor> pieces;
+      for (const auto& g : grads) pieces.push_back(g.contiguous().view(-1));
+      std::vector<float> f(flags_->begin(), flags_->end());
+      pieces.push_back(torch::tensor(f, grads.front().options().dtype(torch::kFloat)).to(grads.front().scalar_type()));
+      b.flat = torch::cat(pieces);
+    } else if (grads.size() == 1) {
       b.flat = grads.front().contiguous().view(-1);
-    else
+    } else {
       b.flat = at::flatten_dense_tensors(grads);
+    }
     grads.clear();
     for (auto& p : b.params) torch::Tensor(p).mutable_grad().reset();
     b.launched = true;
@@ -170,6 +192,8 @@ class GradientBuckets {
   std::vector<Bucket> buckets_;
   std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> where_;
   std::vector<torch::Tensor> late_;
+  const std::vector<char>* flags_ = nullptr;
+  std::vector<char> flags_any_;
   size_t next_ = 0;
   bool armed_ = false;
 };
@@ -192,8 +216,15 @@ DataParallel::DataParallel(int64_t bucket_bytes, bool overlap)
 
 DataParallel::~DataParallel() = default;
 
+size_t DataParallel::flag_slot() {
+  flags_.push_back(0);
+  flags_any_.push_back(0);
+  return flags_.size() - 1;
+}
+
 void DataParallel::before_fit(Learner& l) {
   syncs_ = bytes_ = buckets_ = in_backward_ = 0;
+  synced_batch_ = false;
   broadcast_tensors(model_tensors(*l.model(), true, true), bucket_bytes_);
 }
 
@@ -222,6 +253,8 @@ void DataParallel::before_stage(Learner& l) {
 }
 
 void DataParallel::before_batch(Learner& l) {
+  synced_batch_ = false;
+  std::fill(flags_.begin(), flags_.end(), 0);  // each batch's flags are set anew
   const DataLoader& d = l.train_data();
   if (d.shard_world() <= 1 || !l.y().defined()) return;
   const int64_t total = d.batch_samples(l.batch_index()), mine = l.y().size(0);
@@ -230,9 +263,13 @@ void DataParallel::before_batch(Learner& l) {
                      static_cast<double>(total));
 }
 
+// The hooks are armed for the step's last micro-batch. The flags are read when the last bucket
+// launches, after every before_backward (a callback of any order may set its flag there).
 void DataParallel::before_backward(Learner& l) {
-  if (overlap_off_.empty() && sync_taken_by_.empty() && l.completes_step() && !l.batch_skipped())
+  if (overlap_off_.empty() && sync_taken_by_.empty() && l.completes_step() && !l.batch_skipped()) {
+    buckets_of_stage_->set_flags(&flags_);
     buckets_of_stage_->arm();
+  }
 }
 
 void DataParallel::after_backward(Learner& l) {
@@ -241,8 +278,15 @@ void DataParallel::after_backward(Learner& l) {
   if (!buckets_of_stage_)  // a C++ user's learner that fired no before_stage
     buckets_of_stage_ = std::make_unique<GradientBuckets>(l.model()->parameters(),
                                                           bucket_bytes_, bucket_bytes_);
-  if (!buckets_of_stage_->armed()) buckets_of_stage_->arm();  // no overlap: all launched here
+  if (!buckets_of_stage_->armed()) {  // no overlap: every bucket launched here
+    buckets_of_stage_->set_flags(&flags_);
+    buckets_of_stage_->arm();
+  }
   const SyncVolume v = buckets_of_stage_->finish();
+  if (buckets_of_stage_->carries_flags()) {
+    flags_any_ = buckets_of_stage_->flags_any();
+    synced_batch_ = true;
+  }
   buckets_ += v.buckets;
   bytes_ += v.bytes;
   ++syncs_;
@@ -256,6 +300,10 @@ void DataParallel::release_caches(Learner&) {
   if (buckets_of_stage_) buckets_of_stage_->disarm();
 }
 
-void DataParallel::after_fit(Learner&) { hooks_.remove(); }
+void DataParallel::after_fit(Learner&) {
+  hooks_.remove();
+  flags_.clear();  // the next fit's callbacks take their slots again
+  flags_any_.clear();
+}
 
 }  // namespace frugal

@@ -26,6 +26,8 @@
 
 namespace frugal {
 
+class DataParallel;
+
 /// The first parameter (in named_parameters order) whose gradient holds an inf or a NaN, or
 /// nullopt when all are finite. Reads each gradient once, sums it in double (a finite float
 /// gradient cannot overflow a double sum) and syncs once; only when some sum is not finite does
@@ -56,6 +58,8 @@ class NonFiniteCheck : public Callback {
   std::string name() const override { return "nonfinite_check"; }
   int order() const override { return order::kNonFiniteCheck; }
   void before_fit(Learner& l) override;
+  /// Data parallel: whether this rank's loss is finite rides on the step's gradient sync.
+  void before_backward(Learner& l) override;
   /// Mode::Skip: copies the model's buffers at the step's first forward.
   void before_forward(Learner& l) override;
   /// Checks the loss and the gradients of a step no other callback skipped. Data parallel:
@@ -84,6 +88,9 @@ class NonFiniteCheck : public Callback {
 
   Mode mode_;
   int64_t skipped_ = 0;
+  DataParallel* dp_ = nullptr;  // data parallel: the loss verdict's ride (DataParallel::flag_slot)
+  size_t loss_slot_ = 0;
+  bool loss_bad_ = false;  // a micro-batch of this batch had a non-finite loss
   std::optional<NonFiniteEvent> last_;
   // Mode::Skip: the buffers as they were before the step under way, in tensors allocated once
   // (again only if the model's buffers change: a stage rewrote the model).

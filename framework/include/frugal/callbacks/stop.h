@@ -18,6 +18,8 @@
 
 namespace frugal {
 
+class DataParallel;
+
 /// `frugal train`'s exit code after a clean stop on a signal: EX_TEMPFAIL (sysexits.h), "try
 /// again later", which requeue scripts test for.
 inline constexpr int kExitInterrupted = 75;
@@ -68,6 +70,8 @@ class StopCallback : public Callback {
   /// the writer's, and a checkpoint the writer just wrote at this batch is not written twice.
   int order() const override { return order::kCheckpointWriter - 1; }
   void before_fit(Learner& l) override;
+  /// Data parallel: whether this rank saw a stop request rides on the step's gradient sync.
+  void before_backward(Learner& l) override;
   void after_batch(Learner& l) override;
 
   bool stopped() const { return stopped_; }
@@ -81,6 +85,8 @@ class StopCallback : public Callback {
   nlohmann::json info_;
   std::shared_ptr<spdlog::logger> log_;
   bool stopped_ = false;
+  DataParallel* dp_ = nullptr;  // data parallel: the request's ride (DataParallel::flag_slot)
+  size_t slot_ = 0;
   FitPosition at_;
   std::string checkpoint_;
 };
