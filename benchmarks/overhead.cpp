@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <iostream>
+#include <random>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/null_sink.h>
@@ -49,6 +50,31 @@ epochs = 1000
 const std::vector<std::string> kSmallModel = {"data.image_size=28", "data.batch_size=32",
                                               "model.depth=1", "model.width=256"};
 
+// Where a step's tensors land decides a few percent to 25% of a small step's time (cache sets,
+// 4 KiB aliasing between activations, gradients and the optimizer's state): two loops whose
+// allocations differ by one small tensor can land differently all run long. Both loops hold a
+// tensor of a random size (512 B to 64 KiB, the same sequence for each loop) through each step,
+// so each samples many placements and their medians compare the loops, not their luck.
+class Jitter {
+ public:
+  void hold() { held_ = torch::empty({static_cast<int64_t>(512 * (1 + rng_() % 128))}, torch::kByte); }
+  void drop() { held_ = torch::Tensor(); }
+  void restart() { rng_.seed(1234); }
+
+ private:
+  std::mt19937 rng_{1234};
+  torch::Tensor held_;
+};
+
+/// The Learner's side of the jitter: held from before_batch to after_batch.
+struct JitterCallback : frugal::Callback {
+  explicit JitterCallback(Jitter& j) : jitter(j) {}
+  std::string name() const override { return "bench_jitter"; }
+  void before_batch(frugal::Learner&) override { jitter.hold(); }
+  void after_batch(frugal::Learner&) override { jitter.drop(); }
+  Jitter& jitter;
+};
+
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -84,6 +110,8 @@ nlohmann::json measure(const std::string& config, const std::vector<std::string>
   learner->add_callback(std::make_shared<frugal::ProgressCallback>(
       frugal::ProgressCallback::Mode::Log, cfg.run.log_every,
       std::make_shared<spdlog::logger>("bench", std::make_shared<spdlog::sinks::null_sink_mt>())));
+  Jitter learner_jitter, hand_jitter;
+  learner->add_callback(std::make_shared<JitterCallback>(learner_jitter));
   torch::nn::Sequential model = learner->model();
   torch::optim::Optimizer& opt = learner->optimizer();
   frugal::DataLoader& data = learner->train_data();
@@ -109,6 +137,7 @@ nlohmann::json measure(const std::string& config, const std::vector<std::string>
         index = 0;
       }
       frugal::Batch b = data.batch(index++);
+      hand_jitter.hold();
       // Timed like the Learner's step: from the loaded batch to the zeroed gradients.
       const auto s0 = Clock::now();
       torch::Tensor loss = loss_fn(model->forward(b.x), b.y);
@@ -116,6 +145,7 @@ nlohmann::json measure(const std::string& config, const std::vector<std::string>
       opt.step();
       for (auto& p : model->parameters()) p.mutable_grad().reset();
       const double dt = std::chrono::duration<double>(Clock::now() - s0).count();
+      hand_jitter.drop();
       if (i >= warmup) hand_steps.push_back(dt);
     }
     hand_wall += std::chrono::duration<double>(Clock::now() - t0).count();
