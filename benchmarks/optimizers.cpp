@@ -1,10 +1,11 @@
 // The fused CPU optimizers against LibTorch's (optim/fused.h): the time of one step over one
-// parameter of 1 K to 100 M float32 elements, for Adam, AdamW (weight decay 0.01) and SGD with
-// momentum 0.9, on 1 thread and on every intra-op thread. Each size alternates the two
+// parameter of 1 K to 100 M float32 elements, for Adam, AdamW (weight decay 0.01), SGD with
+// momentum 0.9 and 8-bit Adam (the fused block pass against its tensor operations; 10 M at
+// most), on 1 thread and on every intra-op thread. Each size alternates the two
 // implementations (ABAB, after a warm-up step each) and reports the medians; the table goes to
 // stdout (markdown) and --out (JSON). The optimizers card (docs/optimizers.md) holds its output.
 //
-//   build/bin/frugal_bench_optimizers [--max-elements 100000000] [--out FILE]
+//   build/bin/frugal_bench_optimizers [--max-elements 100000000] [--optimizer NAME ...] [--out FILE]
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -77,6 +78,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-elements", max_elements, "the largest parameter (elements)")
       ->check(CLI::Range(int64_t{1000}, int64_t{1000000000}));
   app.add_option("--out", out, "JSON file for the results");
+  std::vector<std::string> names = {"adam", "adamw", "sgd", "adam8bit"};
+  app.add_option("--optimizer", names, "the optimizers to time (repeatable; default all four)")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd", "adam8bit"}));
   CLI11_PARSE(app, argc, argv);
 
   const int all_threads = at::get_num_threads() > 1 ? at::get_num_threads()
@@ -87,10 +91,12 @@ int main(int argc, char** argv) {
   std::ostringstream md;
   md << "| optimizer | elements | threads | LibTorch (ms) | fused (ms) | speed-up |\n"
      << "|---|---:|---:|---:|---:|---:|\n";
-  for (const std::string name : {"adam", "adamw", "sgd"})
+  for (const std::string& name : names)
     for (int threads : thread_counts) {
       at::set_num_threads(threads);
-      for (int64_t n = 1000; n <= max_elements; n *= 10) {
+      // adam8bit's tensor operations hold about 40 bytes per element of temporaries: 10 M at most
+      const int64_t largest = name == "adam8bit" ? std::min<int64_t>(max_elements, 10000000) : max_elements;
+      for (int64_t n = 1000; n <= largest; n *= 10) {
         const auto [fused, plain] = time_steps(name, n);
         rows.push_back({{"optimizer", name}, {"elements", n}, {"threads", threads},
                         {"libtorch_seconds", plain}, {"fused_seconds", fused},

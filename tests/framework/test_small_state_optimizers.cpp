@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "frugal/app/plugin_host.h"
+#include "frugal/base/compat.h"
 #include "frugal/optim/adafactor.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/optimizers.h"
@@ -191,6 +192,54 @@ TEST(Adam8bit, UnderFourThousandElementsItIsTorchsAdamExactly) {
   run(mine, a, gs);
   run(adam, b, gs);
   EXPECT_TRUE(torch::equal(a.detach(), b.detach()));
+}
+
+// The fused pass (one pass per block, on the CPU) against the tensor operations: the same
+// parameters and the same codes, block maxima and float32 moments after every step, for Adam's
+// L2 term and AdamW's decay, a parameter of whole blocks, one with a partial last block and one
+// under 4096 elements, gradients with exact zeros (a second moment's smallest positive code).
+TEST(Adam8bit, TheFusedPassGivesBitwiseTheTensorOperationsResult) {
+  for (const bool decoupled : {false, true}) {
+    torch::manual_seed(11);
+    std::vector<torch::Tensor> fused_params, plain_params;
+    for (const int64_t n : {6144, 5000, 3000}) {
+      fused_params.push_back(torch::randn({n}).requires_grad_());
+      plain_params.push_back(fused_params.back().detach().clone().requires_grad_());
+    }
+    const auto options = Adam8bitOptions(1e-2).weight_decay(0.05).decoupled(decoupled);
+    Adam8bit fused(fused_params, Adam8bitOptions(options).fused(true));
+    Adam8bit plain(plain_params, Adam8bitOptions(options).fused(false));
+    for (int step = 0; step < 4; ++step) {
+      for (size_t i = 0; i < fused_params.size(); ++i) {
+        torch::Tensor g = torch::randn_like(fused_params[i]) * std::pow(10.0, step - 2);
+        g.masked_fill_(torch::rand_like(g) < 0.2, 0.0);
+        fused_params[i].mutable_grad() = g.clone();
+        plain_params[i].mutable_grad() = g.clone();
+      }
+      fused.step();
+      plain.step();
+      for (size_t i = 0; i < fused_params.size(); ++i) {
+        ASSERT_TRUE(torch::equal(fused_params[i].detach(), plain_params[i].detach()))
+            << "parameter " << i << ", step " << step << ", decoupled " << decoupled;
+        const auto& a = static_cast<const Adam8bitParamState&>(
+            *fused.state().at(compat::optimizer_state_key(fused_params[i])));
+        const auto& b = static_cast<const Adam8bitParamState&>(
+            *plain.state().at(compat::optimizer_state_key(plain_params[i])));
+        EXPECT_EQ(a.step(), b.step());
+        for (const auto& [x, y] : {std::pair{a.exp_avg_codes(), b.exp_avg_codes()},
+                                   {a.exp_avg_absmax(), b.exp_avg_absmax()},
+                                   {a.exp_avg_sq_codes(), b.exp_avg_sq_codes()},
+                                   {a.exp_avg_sq_absmax(), b.exp_avg_sq_absmax()},
+                                   {a.exp_avg(), b.exp_avg()},
+                                   {a.exp_avg_sq(), b.exp_avg_sq()}}) {
+          ASSERT_EQ(x.defined(), y.defined());
+          if (x.defined()) {
+            EXPECT_TRUE(torch::equal(x, y)) << "parameter " << i << ", step " << step;
+          }
+        }
+      }
+    }
+  }
 }
 
 // adamw8bit: AdamW's decoupled decay (the parameter shrinks by lr x weight_decay before the

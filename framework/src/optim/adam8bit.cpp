@@ -2,6 +2,7 @@
 // (bitsandbytes' dynamic maps and block size), float32 for parameters under 4096 elements.
 #include "frugal/base/compat.h"
 #include "frugal/optim/adam8bit.h"
+#include "optim/adam8bit_kernel.h"
 #include "optim/optim_step.h"
 
 #include <algorithm>
@@ -182,6 +183,51 @@ torch::Tensor Adam8bit::step(LossClosure closure) {
                                     [this](Tensor& p, const Adam8bitOptions& o) { step_one(p, o); });
 }
 
+namespace {
+bool fusable(const Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.layout() == torch::kStrided &&
+         t.is_contiguous();
+}
+}  // namespace
+
+// The fused pass (adam8bit_kernel.h): the state's tensors are made once and then written in
+// place; nothing else is allocated, so an out-of-memory error cannot stop it half-way.
+void Adam8bit::step_fused(Tensor& p, Adam8bitParamState& s, const Adam8bitOptions& o) {
+  const int64_t n = p.numel(), t = s.step() + 1;
+  const bool quantized = n >= quant8::kMinElements, first = s.step() == 0;
+  if (first && quantized) {
+    const int64_t blocks = (n + quant8::kBlock - 1) / quant8::kBlock;
+    s.exp_avg_codes(torch::empty({n}, p.options().dtype(torch::kUInt8)))
+        .exp_avg_absmax(torch::empty({blocks}, p.options()))
+        .exp_avg_sq_codes(torch::empty({n}, p.options().dtype(torch::kUInt8)))
+        .exp_avg_sq_absmax(torch::empty({blocks}, p.options()));
+  } else if (first) {
+    s.exp_avg(torch::zeros_like(p)).exp_avg_sq(torch::zeros_like(p));
+  }
+  const auto [beta1, beta2] = o.betas();
+  const double bc1 = 1 - std::pow(beta1, t), bc2 = 1 - std::pow(beta2, t);
+  const bool decay = o.weight_decay() != 0;
+  const quant8::BlockAdamArgs a{static_cast<float>(beta1),     static_cast<float>(1 - beta1),
+                                static_cast<float>(beta2),     static_cast<float>(1 - beta2),
+                                static_cast<float>(std::sqrt(bc2)), static_cast<float>(o.eps()),
+                                static_cast<float>(-(o.lr() / bc1)),
+                                static_cast<float>(o.weight_decay()),
+                                static_cast<float>(1 - o.lr() * o.weight_decay()),
+                                decay && !o.decoupled(), decay && o.decoupled()};
+  float* pp = p.data_ptr<float>();
+  const float* g = p.grad().data_ptr<float>();
+  if (quantized)
+    quant8::adam8bit_step(pp, g, s.exp_avg_codes().data_ptr<uint8_t>(),
+                          s.exp_avg_absmax().data_ptr<float>(),
+                          s.exp_avg_sq_codes().data_ptr<uint8_t>(),
+                          s.exp_avg_sq_absmax().data_ptr<float>(), n, map1_.data_ptr<float>(),
+                          map2_.data_ptr<float>(), first, a);
+  else
+    quant8::adam_float_step(pp, g, s.exp_avg().data_ptr<float>(), s.exp_avg_sq().data_ptr<float>(),
+                            n, a);
+  s.step(t);
+}
+
 // torch::optim::Adam's step (LibTorch 1.13's arithmetic, op for op) on float32 moments that
 // are dequantized before and quantized after when the parameter is large enough.
 void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
@@ -194,6 +240,12 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
   if (map1_.device() != p.device()) {  // the maps live where the parameters do (CUDA)
     map1_ = map1_.to(p.device());
     map2_ = map2_.to(p.device());
+  }
+  if (o.fused() && fusable(p) && fusable(grad) && grad.sizes() == p.sizes() &&
+      (s.step() == 0 || !quantized || fusable(s.exp_avg_absmax())) &&
+      (s.step() == 0 || quantized || (fusable(s.exp_avg()) && fusable(s.exp_avg_sq())))) {
+    step_fused(p, s, o);
+    return;
   }
   Tensor m, v;
   if (s.step() == 0) {

@@ -280,15 +280,16 @@ OptimizerFactory adafactor() {
 /// 8-bit Adam; `decoupled`: AdamW's decay (adamw8bit).
 OptimizerFactory adam8bit(bool decoupled) {
   OptimizerFactory f;
-  f.make_options = keys_of<AdamKeys>();
+  f.make_options = keys_of<FusedAdamKeys>();
   f.build = [decoupled](const OptimizerOptions& o, std::vector<torch::Tensor> params) {
-    const auto k = o.own_as<AdamKeys>();
+    const auto k = o.own_as<FusedAdamKeys>();
     return std::make_unique<Adam8bit>(std::move(params),
                                       Adam8bitOptions(o.lr)
                                           .betas(std::make_tuple(k.beta1, k.beta2))
                                           .eps(k.eps)
                                           .weight_decay(o.weight_decay)
-                                          .decoupled(decoupled));
+                                          .decoupled(decoupled)
+                                          .fused(k.fused));
   };
   f.state_bytes = state_bytes_of<Adam8bit, Adam8bitParamState>(
       [](const Adam8bitParamState& s) { return s.bytes(); });
@@ -299,8 +300,11 @@ OptimizerFactory adam8bit(bool decoupled) {
       for (const auto& shape : p.shapes) state += Adam8bit::state_bytes(numel_of(shape));
     }
     // the largest parameter's two moments dequantized, Adam's sqrt and division; quantizing
-    // works in chunks of 65536 elements (about 40 bytes each: 2.5 MiB)
-    return StepNeeds{state, (4 + (decoupled ? 0 : decay_copies(o))) * p.largest + (int64_t{5} << 19)};
+    // works in chunks of 65536 elements (about 40 bytes each: 2.5 MiB). The fused pass on the
+    // CPU: none (a block's moments live on the stack).
+    const int64_t temporaries =
+        (4 + (decoupled ? 0 : decay_copies(o))) * p.largest + (int64_t{5} << 19);
+    return StepNeeds{state, step_temporaries(o.own_as<FusedAdamKeys>().fused, p, temporaries)};
   };
   f.decoupled_decay = decoupled;
   return f;

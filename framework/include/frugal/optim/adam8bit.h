@@ -49,6 +49,10 @@ struct Adam8bitOptions : public torch::optim::OptimizerCloneableOptions<Adam8bit
   /// AdamW's decoupled decay (p *= 1 - lr weight_decay before the update; "adamw8bit") instead
   /// of Adam's L2 term added to the gradient.
   TORCH_ARG(bool, decoupled) = false;
+  /// One pass per quantization block on the CPU (float32, contiguous): the moments decoded,
+  /// updated and coded again block by block, the same bits as the tensor operations, without
+  /// their float32 copies of the parameter's moments. Not saved in checkpoints.
+  TORCH_ARG(bool, fused) = true;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -91,6 +95,7 @@ class Adam8bit : public torch::optim::Optimizer {
 
  private:
   void step_one(torch::Tensor& p, const Adam8bitOptions& o);
+  void step_fused(torch::Tensor& p, Adam8bitParamState& s, const Adam8bitOptions& o);
   torch::Tensor map1_, map2_;  // the signed and unsigned dynamic maps
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive) {

@@ -1,0 +1,125 @@
+// 8-bit Adam's fused step (adam8bit_kernel.h).
+#include "optim/adam8bit_kernel.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "frugal/optim/adam8bit.h"
+
+namespace frugal::quant8 {
+namespace {
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FRUGAL_FMA_TARGET __attribute__((target("avx2,fma")))
+bool cpu_has_fma() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+#else
+#define FRUGAL_FMA_TARGET
+bool cpu_has_fma() { return false; }
+#endif
+
+// a * b + c, rounded once where LibTorch's vectorized kernels use fmadd (see fused.cpp).
+template <bool kFma>
+inline float madd(float a, float b, float c) {
+  if constexpr (kFma)
+    return __builtin_fmaf(a, b, c);
+  else
+    return a * b + c;
+}
+
+// Adam's update of one element (fused.cpp's adam_span, the table above it), in place.
+template <bool kFma>
+inline void update(float& p, float g, float& m, float& v, const BlockAdamArgs& a) {
+  float pi = p;
+  if (a.decay_on) pi = pi * a.decay;
+  if (a.l2_on) g = madd<kFma>(pi, a.l2, g);
+  m = madd<kFma>(g, a.omb1, m * a.b1);
+  v = madd<kFma>(a.omb2 * g, g, v * a.b2);
+  const float d = std::sqrt(v) / a.bc2_sqrt + a.eps;
+  p = pi + (a.neg_step * m) / d;
+}
+
+// quant8::quantize's choice for one normalized value: the first code >= x (searchsorted) and
+// the one below it, the lower on a tie; keep_positive: a positive x never gets code 0.
+inline uint8_t nearest(const float* map, float x, bool keep_positive) {
+  int idx = 0;  // how many codes are below x (a branch-free lower bound over 256)
+  for (int step = 128; step > 0; step >>= 1) idx += map[idx + step - 1] < x ? step : 0;
+  const int hi = std::clamp(idx, 1, 255), lo = hi - 1;
+  int code = (x - map[lo]) <= (map[hi] - x) ? lo : hi;
+  if (keep_positive && x > 0 && code == 0) code = 1;
+  return static_cast<uint8_t>(code);
+}
+
+template <bool kFma>
+void block_step(float* p, const float* g, uint8_t* c1, float* a1, uint8_t* c2, float* a2,
+                int64_t n, const float* map1, const float* map2, bool first,
+                const BlockAdamArgs& a) {
+  float m[kBlock], v[kBlock];
+  const float s1 = first ? 0.0f : *a1, s2 = first ? 0.0f : *a2;
+  float max1 = 0, max2 = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = first ? 0.0f : map1[c1[i]] * s1;  // dequantize: map[code] x absmax
+    v[i] = first ? 0.0f : map2[c2[i]] * s2;
+    update<kFma>(p[i], g[i], m[i], v[i], a);
+    max1 = std::max(max1, std::abs(m[i]));
+    max2 = std::max(max2, std::abs(v[i]));
+  }
+  *a1 = max1;
+  *a2 = max2;
+  const float d1 = max1 > 0 ? max1 : 1.0f, d2 = max2 > 0 ? max2 : 1.0f;  // an all-zero block: 1
+  for (int64_t i = 0; i < n; ++i) {
+    c1[i] = nearest(map1, m[i] / d1, false);
+    c2[i] = nearest(map2, v[i] / d2, true);
+  }
+}
+
+template <bool kFma>
+void step_all(float* p, const float* g, uint8_t* c1, float* a1, uint8_t* c2, float* a2, int64_t n,
+              const float* map1, const float* map2, bool first, const BlockAdamArgs& a) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t at = b * kBlock, len = std::min(kBlock, n - at);
+      block_step<kFma>(p + at, g + at, c1 + at, a1 + b, c2 + at, a2 + b, len, map1, map2, first, a);
+    }
+  });
+}
+
+FRUGAL_FMA_TARGET void step_fma(float* p, const float* g, uint8_t* c1, float* a1, uint8_t* c2,
+                                float* a2, int64_t n, const float* map1, const float* map2,
+                                bool first, const BlockAdamArgs& a) {
+  step_all<true>(p, g, c1, a1, c2, a2, n, map1, map2, first, a);
+}
+
+FRUGAL_FMA_TARGET void float_fma(float* p, const float* g, float* m, float* v, int64_t n,
+                                 const BlockAdamArgs& a) {
+  for (int64_t i = 0; i < n; ++i) update<true>(p[i], g[i], m[i], v[i], a);
+}
+
+}  // namespace
+
+void adam8bit_step(float* p, const float* g, uint8_t* c1, float* a1, uint8_t* c2, float* a2,
+                   int64_t n, const float* map1, const float* map2, bool first,
+                   const BlockAdamArgs& a) {
+  if (cpu_has_fma())
+    step_fma(p, g, c1, a1, c2, a2, n, map1, map2, first, a);
+  else
+    step_all<false>(p, g, c1, a1, c2, a2, n, map1, map2, first, a);
+}
+
+void adam_float_step(float* p, const float* g, float* m, float* v, int64_t n, const BlockAdamArgs& a) {
+  if (cpu_has_fma()) {
+    float_fma(p, g, m, v, n, a);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) update<false>(p[i], g[i], m[i], v[i], a);
+}
+
+}  // namespace frugal::quant8
