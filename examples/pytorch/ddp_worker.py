@@ -9,7 +9,8 @@ framework/src/core/learner*.cpp, framework/src/data/task.cpp):
 - the batches: every rank draws the one seeded order (side_by_side.permutation, frugal's
   Fisher-Yates on mt19937_64 seeded run.seed + epoch); data.batch_size is the global batch, and
   rank r of N takes rows [n*r//N, n*(r+1)//N) of a batch of n (DataLoader::batch with
-  set_shard). A last batch with fewer samples than ranks is dropped (DataLoader::num_batches);
+  set_shard). A last training batch with fewer samples than ranks is dropped
+  (DataLoader::num_batches); a last validation batch is kept (a rank may have no row of it);
 - the loss: each rank's mean over its rows; when a batch splits unevenly the rank's loss is
   multiplied by mine * N / n before backward (DataParallel::before_batch's batch weight,
   Learner::backward's `loss * factor`), so that the average over ranks DDP takes (each gradient
@@ -36,11 +37,11 @@ def shard(count, rank, world):
     return count * rank // world, count * (rank + 1) // world
 
 
-def num_batches(n, batch, world):
+def num_batches(n, batch, world, every_sample=False):
     """DataLoader::num_batches with drop_last off: a last batch smaller than the world is
-    dropped."""
+    dropped, unless every_sample (validation's loader: a rank may then have no row of it)."""
     full, rest = divmod(n, batch)
-    return full + (1 if rest > 0 and rest >= world else 0)
+    return full + (1 if rest > 0 and (rest >= world or every_sample) else 0)
 
 
 def train_ddp(c, sbs):
@@ -114,9 +115,11 @@ def train_ddp(c, sbs):
         sums = torch.zeros(3, dtype=torch.float64)  # loss, count, correct
         loss_sum, seen, correct = 0.0, 0, 0
         with torch.no_grad():
-            for b in range(num_batches(nv, VB, world)):
+            for b in range(num_batches(nv, VB, world, every_sample=True)):
                 start = b * VB
                 lo, hi = shard(min(VB, nv - start), rank, world)
+                if hi == lo:
+                    continue  # another rank scores this last batch
                 x, y = vx[start + lo:start + hi], vy[start + lo:start + hi]
                 logits = model(x.float().mul_(scale).sub_(shift))
                 loss_sum += F.cross_entropy(logits, y, reduction="sum").item()

@@ -362,7 +362,8 @@ std::unique_ptr<Learner> make_learner(const Config& c, const StopRequest* stop) 
   if (world.distributed()) {  // each rank its shard of every batch; data.batch_size is global
     named(c, "data.batch_size", [&] { train_loader.set_shard(world.rank(), world.size()); });
     if (valid)
-      named(c, "data.valid_batch_size", [&] { valid->set_shard(world.rank(), world.size()); });
+      named(c, "data.valid_batch_size",
+            [&] { valid->set_shard(world.rank(), world.size(), /*every_sample=*/true); });
   }
   auto learner = std::make_unique<Learner>(std::move(model), std::move(train_loader),
                                            std::move(valid), c.optimizer, std::move(loss), device);

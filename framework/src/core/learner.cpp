@@ -253,7 +253,8 @@ torch::Tensor Learner::predict(const torch::Tensor& x) {
 
 torch::Tensor Learner::predict(const DataLoader& data) {
   std::vector<torch::Tensor> outs;
-  for (int64_t i = 0; i < data.num_batches(); ++i) outs.push_back(predict(data.batch(i).x));
+  for (int64_t i = 0; i < data.num_batches(); ++i)
+    if (data.rows(i) > 0) outs.push_back(predict(data.batch(i).x));  // a shard's empty last batch
   return outs.empty() ? torch::Tensor() : torch::cat(outs);
 }
 

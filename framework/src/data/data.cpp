@@ -349,10 +349,16 @@ int64_t DataLoader::num_batches() const {
   if (drop_last_) return n / batch_size_;
   const int64_t full = n / batch_size_, rest = n % batch_size_;
   // Sharded: a last batch smaller than the world would leave some rank without a sample.
-  return full + (rest > 0 && rest >= shard_world_ ? 1 : 0);
+  return full + (rest > 0 && (rest >= shard_world_ || shard_every_sample_) ? 1 : 0);
 }
 
-void DataLoader::set_shard(int rank, int world) {
+int64_t DataLoader::rows(int64_t i) const {
+  const int64_t count = batch_samples(i);
+  if (shard_world_ <= 1) return count;
+  return count * (shard_rank_ + 1) / shard_world_ - count * shard_rank_ / shard_world_;
+}
+
+void DataLoader::set_shard(int rank, int world, bool every_sample) {
   if (world < 1 || rank < 0 || rank >= world)
     throw_usage_error("DataLoader::set_shard: rank " + std::to_string(rank) + " of " +
                       std::to_string(world));
@@ -361,6 +367,7 @@ void DataLoader::set_shard(int rank, int world) {
                        std::to_string(world) + " ranks: every rank needs a sample of each batch");
   shard_rank_ = rank;
   shard_world_ = world;
+  shard_every_sample_ = every_sample;
 }
 
 int64_t DataLoader::batch_samples(int64_t i) const {

@@ -83,6 +83,7 @@ MetricSums score_regression(const DataLoader& data,
   auto sq_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
   int64_t count = 0;
   for (int64_t i = 0; i < data.num_batches(); ++i) {
+    if (data.rows(i) == 0) continue;  // data parallel: another rank scores this last batch
     const Batch b = data.batch(i);
     const torch::Tensor pred = forward(b.x);
     if (pred.numel() != b.y.numel())
@@ -109,6 +110,7 @@ MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const
       text && data.dataset().token_bytes.defined() ? data.dataset().token_bytes.to(device, torch::kDouble) : torch::Tensor();
   int64_t count = 0;
   for (int64_t i = 0; i < data.num_batches(); ++i) {
+    if (data.rows(i) == 0) continue;  // data parallel: another rank scores this last batch
     const Batch b = data.batch(i);
     const torch::Tensor pred = forward(b.x);
     auto logits = pred.reshape({-1, pred.size(-1)});

@@ -229,8 +229,11 @@ class DataLoader {
   /// seeded order; rank r of `world` takes rows [n*r/world, n*(r+1)/world) of each batch of n
   /// samples, so data.batch_size stays the batch of a step across ranks, shards differ by at
   /// most one sample, and no sample is repeated. A last batch with fewer samples than ranks is
-  /// dropped (every rank runs the same number of batches, none of them empty).
-  void set_shard(int rank, int world);
+  /// dropped (every rank runs the same number of batches, none of them empty) unless
+  /// `every_sample` (validation: a rank may then have no row of that batch; rows(i) says).
+  void set_shard(int rank, int world, bool every_sample = false);
+  /// This rank's rows of batch i (0 only for a last batch kept by every_sample).
+  int64_t rows(int64_t i) const;
   int shard_rank() const { return shard_rank_; }
   int shard_world() const { return shard_world_; }
   /// Samples in batch i across every rank.
@@ -258,6 +261,7 @@ class DataLoader {
   };
   std::vector<AugmentDraw> augment_;
   int shard_rank_ = 0, shard_world_ = 1;
+  bool shard_every_sample_ = false;
 
   Batch text_batch(int64_t start, int64_t count) const;
   Batch tabular_batch(int64_t start, int64_t count) const;
