@@ -80,8 +80,8 @@ start). The table in benchmarks/ddp_side_by_side.md is made on an idle machine b
 - the same work: data.batch_size is the global batch; every rank draws frugal's one seeded order
   and rank r takes rows [n*r//N, n*(r+1)//N) of each batch of n (frugal's
   DataLoader::set_shard); a batch that splits unevenly multiplies a rank's loss by its rows x N /
-  n before backward (DataParallel::before_batch), a last batch smaller than N is dropped (train
-  and validation alike, DataLoader::num_batches); gradients are averaged over the ranks;
+  n before backward (DataParallel::before_batch), a last training batch smaller than N is dropped
+  (DataLoader::num_batches) and a last validation batch kept (a rank without a row skips it); gradients are averaged over the ranks;
   BatchNorm's running statistics are rank 0's, sent to every rank after each epoch's training;
   validation scores each rank's rows of every validation batch and all-reduces the float64 sums
   (examples/pytorch/ddp_worker.py has the PyTorch rank and the details);
@@ -641,7 +641,7 @@ def ddp_table(args, rows, machine, notes):
               f"[B*r/{n}, B*(r+1)/{n}) of each batch of B (frugal's DataLoader::set_shard), a "
               "batch that splits unevenly weighted per sample (a rank's loss times its rows x "
               "ranks / B before backward, as frugal's DataParallel::before_batch; "
-              f"{notes['weighted']}), a last batch smaller than the world dropped; gradients "
+              f"{notes['weighted']}), a last training batch smaller than the world dropped (a validation one kept); gradients "
               f"averaged over the ranks; BatchNorm's running statistics rank 0's, sent to every "
               "rank after the epoch's training. Epoch: rank 0's training epoch, its first batch "
               "to its last (gathering and normalizing its shard included; data loading, "

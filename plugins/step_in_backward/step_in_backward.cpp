@@ -88,8 +88,8 @@ void StepInBackward::after_fit(frugal::Learner&) {
 }
 
 namespace {
-/// data_parallel all-reduces gradients after backward: a step inside it would use this rank's
-/// gradients alone. A global-norm clipping (grad_clip) needs every gradient before any step.
+/// data_parallel all-reduces a bucket once all its gradients are complete (or after backward):
+/// a step inside backward would use this rank's gradients alone. A global-norm clipping (grad_clip) needs every gradient before any step.
 frugal::CallbackRelations relations() { return {{}, {"data_parallel", "grad_clip"}, false}; }
 }  // namespace
 

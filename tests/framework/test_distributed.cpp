@@ -252,7 +252,7 @@ TEST(DataParallelCli, TheAllReduceOverlappedWithBackwardGivesBitwiseTheSameWeigh
     EXPECT_EQ(on["gradient_syncs"], off["gradient_syncs"]);
   }
   // A backward retried on one rank would put its launched buckets on the wire twice.
-  // Validation of 101 samples in batches of 50: the last batch of 1 is scored by rank 0 alone
+  // Validation of 101 samples in batches of 50: the last batch of 1 is scored by rank 1 alone
   // (a training batch that small is dropped: every rank needs a row of it).
   const std::string retry = dir.file("retry");
   std::string cfg = dp_config(retry, "[distributed]\nbucket_size = \"4KiB\"\n", 600);

@@ -197,12 +197,19 @@ TEST(Adam8bit, UnderFourThousandElementsItIsTorchsAdamExactly) {
 // The fused pass (one pass per block, on the CPU) against the tensor operations: the same
 // parameters and the same codes, block maxima and float32 moments after every step, for Adam's
 // L2 term and AdamW's decay, a parameter of whole blocks, one with a partial last block and one
-// under 4096 elements, gradients with exact zeros (a second moment's smallest positive code).
+// under 4096 elements, gradients with exact zeros (a second moment's smallest positive code),
+// and one of 20 blocks stepped on 2 threads (the blocks split over ATen's pool).
 TEST(Adam8bit, TheFusedPassGivesBitwiseTheTensorOperationsResult) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  struct Restore {
+    int n;
+    ~Restore() { at::set_num_threads(n); }
+  } restore{threads};
   for (const bool decoupled : {false, true}) {
     torch::manual_seed(11);
     std::vector<torch::Tensor> fused_params, plain_params;
-    for (const int64_t n : {6144, 5000, 3000}) {
+    for (const int64_t n : {6144, 5000, 3000, 20 * 2048}) {
       fused_params.push_back(torch::randn({n}).requires_grad_());
       plain_params.push_back(fused_params.back().detach().clone().requires_grad_());
     }

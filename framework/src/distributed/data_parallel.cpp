@@ -2,6 +2,7 @@
 #include "frugal/distributed/data_parallel.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <unordered_map>
 #include <utility>
 
@@ -27,7 +28,7 @@ bool same_kind(const torch::Tensor& a, const torch::Tensor& b) {
   return a.scalar_type() == b.scalar_type() && a.device() == b.device();
 }
 
-/// DDP's first bucket: small, so the first all-reduce starts early in backward.
+/// DDP's first bucket: it closes once it holds this much, so the first all-reduce starts early.
 constexpr int64_t kFirstBucketBytes = 1 << 20;
 
 }  // namespace
@@ -42,7 +43,8 @@ class GradientBuckets {
     int64_t bytes = 0;
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
       const torch::Tensor& p = *it;
-      if (!p.requires_grad()) continue;
+      // A tensor registered under two names is all-reduced once.
+      if (!p.requires_grad() || where_.count(p.unsafeGetTensorImpl())) continue;
       const int64_t cap = buckets_.size() <= 1 ? first_bytes : bucket_bytes;
       if (buckets_.empty() || bytes >= cap || !same_kind(buckets_.back().params.front(), p)) {
         buckets_.emplace_back();
@@ -120,8 +122,9 @@ class GradientBuckets {
       b.pending.wait();
       if (b.flags > 0) {  // the flags' sums, then the gradients alone
         const int64_t n = b.flat.numel() - b.flags;
-        const torch::Tensor sums = b.flat.narrow(0, n, b.flags).to(torch::kFloat);
-        for (int64_t i = 0; i < b.flags; ++i) flags_any_[static_cast<size_t>(i)] = sums[i].item<float>() > 0.5f;
+        const torch::Tensor sums = b.flat.narrow(0, n, b.flags).to(torch::kCPU, torch::kFloat).contiguous();
+        for (int64_t i = 0; i < b.flags; ++i)
+          flags_any_[static_cast<size_t>(i)] = sums.data_ptr<float>()[i] > 0.5f;
         b.flat = b.flat.narrow(0, 0, n);
       }
       b.flat.mul_(inv);
@@ -266,6 +269,7 @@ void DataParallel::before_batch(Learner& l) {
 // The hooks are armed for the step's last micro-batch. The flags are read when the last bucket
 // launches, after every before_backward (a callback of any order may set its flag there).
 void DataParallel::before_backward(Learner& l) {
+  if (!buckets_of_stage_) return;  // a C++ user's learner that fired no before_stage
   if (overlap_off_.empty() && sync_taken_by_.empty() && l.completes_step() && !l.batch_skipped()) {
     buckets_of_stage_->set_flags(&flags_);
     buckets_of_stage_->arm();
@@ -273,6 +277,12 @@ void DataParallel::before_backward(Learner& l) {
 }
 
 void DataParallel::after_backward(Learner& l) {
+  if (!l.collective().distributed()) return;  // one process: nothing to average
+  if (buckets_of_stage_ && buckets_of_stage_->armed() && !l.completes_step())
+    throw std::logic_error(
+        "data_parallel: a callback skipped the step after data_parallel armed this backward's "
+        "gradient buckets (before_backward); buckets already on the wire took their gradients. "
+        "Skip steps in before_batch or after_loss, or set distributed.overlap = false");
   if (!l.completes_step()) return;
   if (!sync_taken_by_.empty()) return;  // another callback reduces (hand_over_gradient_sync)
   if (!buckets_of_stage_)  // a C++ user's learner that fired no before_stage
@@ -302,6 +312,7 @@ void DataParallel::release_caches(Learner&) {
 
 void DataParallel::after_fit(Learner&) {
   hooks_.remove();
+  buckets_of_stage_.reset();  // it holds the parameters: a swapped or merged model is freed
   flags_.clear();  // the next fit's callbacks take their slots again
   flags_any_.clear();
 }

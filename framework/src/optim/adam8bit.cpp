@@ -188,6 +188,20 @@ bool fusable(const Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.layout() == torch::kStrided &&
          t.is_contiguous();
 }
+// Whether a parameter's saved state is what the fused pass writes through raw pointers: on the
+// CPU, contiguous, of the parameter's size (a checkpoint is untrusted input: the tensor path
+// would throw on a mismatch, the pass would write past its buffers).
+bool state_fits(const Adam8bitParamState& s, int64_t n, bool quantized) {
+  auto fits = [](const Tensor& t, torch::ScalarType type, int64_t numel) {
+    return t.defined() && t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous() &&
+           t.numel() == numel;
+  };
+  if (!quantized) return fits(s.exp_avg(), torch::kFloat, n) && fits(s.exp_avg_sq(), torch::kFloat, n);
+  const int64_t blocks = (n + quant8::kBlock - 1) / quant8::kBlock;
+  return fits(s.exp_avg_codes(), torch::kUInt8, n) && fits(s.exp_avg_sq_codes(), torch::kUInt8, n) &&
+         fits(s.exp_avg_absmax(), torch::kFloat, blocks) &&
+         fits(s.exp_avg_sq_absmax(), torch::kFloat, blocks);
+}
 }  // namespace
 
 // The fused pass (adam8bit_kernel.h): the state's tensors are made once and then written in
@@ -242,8 +256,7 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
     map2_ = map2_.to(p.device());
   }
   if (o.fused() && fusable(p) && fusable(grad) && grad.sizes() == p.sizes() &&
-      (s.step() == 0 || !quantized || fusable(s.exp_avg_absmax())) &&
-      (s.step() == 0 || quantized || (fusable(s.exp_avg()) && fusable(s.exp_avg_sq())))) {
+      (s.step() == 0 || state_fits(s, p.numel(), quantized))) {
     step_fused(p, s, o);
     return;
   }

@@ -11,5 +11,7 @@ inline constexpr const char* kVersion = "0.1.0";
 // 7: Registry::Entry::reads, ModelOptions' init keys. 8: DataOptions' tokenizer keys, Dataset's
 // tokenizer and token_bytes, MetricSums::bytes (layouts changed). 9: Callback::attach (the
 // vtable changed), Learner::run_info, AdaptableLinear and LinearAdapter, WeightNames.
-inline constexpr int kAbiVersion = 9;
+// 10: DataParallel's layout (overlap, flags), DataLoader's shard fields, Adam8bitOptions::fused,
+// NonFiniteCheck and StopCallback's layouts.
+inline constexpr int kAbiVersion = 10;
 }  // namespace frugal

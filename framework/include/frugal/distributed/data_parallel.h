@@ -7,8 +7,8 @@
 ///   before_batch    the shard's loss weight: world x shard samples / batch samples (1 when
 ///                   the batch splits evenly), so an uneven last batch still averages per sample
 ///   before_stage  the gradient buckets (reverse parameter order, as DDP: the last layers'
-///                   gradients are the first backward makes; the first bucket at most 1 MiB so
-///                   the wire starts early, the others distributed.bucket_size) and, when the
+///                   gradients are the first backward makes; the first bucket closes at 1 MiB
+///                   so the wire starts early, the others at distributed.bucket_size) and, when the
 ///                   all-reduce overlaps backward, a hook on each trained parameter's
 ///                   AccumulateGrad node
 ///   before_backward arms the hooks on the step's last micro-batch (unless the step is skipped)
