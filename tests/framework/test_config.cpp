@@ -224,6 +224,12 @@ TEST(ConfigOverrides, MalformedSetIsRejected) {
   EXPECT_EQ(config_error("", {"=3"}), "--set '=3': expected KEY=VALUE");
   EXPECT_EQ(config_error("", {"data..batch_size=3"}),
             "--set 'data..batch_size=3': expected KEY=VALUE");
+  // toml++ writes a key with a tab back unquoted: the run's config.toml would not read again.
+  EXPECT_EQ(config_error("", {"plugins.gra\td_accum.steps=2"}),
+            "--set plugins.gra\td_accum.steps=2: a key holds no control character (a tab, a newline)");
+  EXPECT_EQ(config_error("[plugins.\"gra\\td\"]\nx = 1\n", {}),
+            "cfg.toml:1:1: a key under [plugins] holds a control character (a tab, a newline): "
+            "keys are names");
 }
 
 TEST(ConfigOverrides, SetIndexOutOfRangeIsRejected) {

@@ -69,6 +69,25 @@ toml::table parse_value(const std::string& text, const std::string& origin) {
   }
 }
 
+// A control character (a tab, a newline) in a key: toml++ writes such a key back unquoted, so
+// the resolved config.toml could not be read again (the fuzzer's finding). No key frugal or a
+// plugin reads has one.
+bool has_control(const std::string& key) {
+  for (const unsigned char ch : key)
+    if (ch < 0x20 || ch == 0x7f) return true;
+  return false;
+}
+
+void refuse_control_keys(const toml::table& t, const std::string& where, const std::string& source) {
+  for (const auto& [k, v] : t) {
+    const std::string key(k.str());
+    if (has_control(key))
+      throw_config_error(location(v, source) + ": a key under " + where +
+                         " holds a control character (a tab, a newline): keys are names");
+    if (const auto* sub = v.as_table()) refuse_control_keys(*sub, where + "." + key, source);
+  }
+}
+
 bool parse_index(const std::string& segment, size_t& index) {
   if (segment.empty() || segment.find_first_not_of("0123456789") != std::string::npos)
     return false;
@@ -94,6 +113,9 @@ void apply_override(toml::table& root, const std::string& assignment) {
     throw_config_error(std::string(kSetPrefix) + " '" + assignment + "': a key holds no quote; "
                        "--set takes dotted keys (data.batch_size, stages.0.epochs)");
   const std::string origin = std::string(kSetPrefix) + " " + assignment;
+  for (const auto& seg : segments)
+    if (has_control(seg))
+      throw_config_error(origin + ": a key holds no control character (a tab, a newline)");
   if (!valid_utf8(assignment))
     throw_config_error(origin + ": not UTF-8 text (TOML keys and strings are Unicode)");
   toml::table value = parse_value(trim(assignment.substr(eq + 1)), origin);
@@ -215,6 +237,7 @@ toml::table take_plugins(toml::table& root, const std::string& source) {
   if (!t)
     throw_config_error(location(*p, source) + ": 'plugins' must be a table ([plugins]), got " +
                        describe_value(*p));
+  refuse_control_keys(*t, "[plugins]", source);
   return std::move(*t);
 }
 
