@@ -95,16 +95,21 @@ bool parse_index(const std::string& segment, size_t& index) {
   return res.ec == std::errc();
 }
 
-void apply_override(toml::table& root, const std::string& assignment) {
-  const auto eq = assignment.find('=');
-  const std::string key = eq == std::string::npos ? "" : trim(assignment.substr(0, eq));
+// The dotted key of a --set assignment, cut at its dots (an empty segment: a malformed key).
+std::vector<std::string> set_key_segments(const std::string& key) {
   std::vector<std::string> segments;
   for (size_t b = 0;; ) {
     const auto dot = key.find('.', b);
     segments.push_back(key.substr(b, dot == std::string::npos ? std::string::npos : dot - b));
-    if (dot == std::string::npos) break;
+    if (dot == std::string::npos) return segments;
     b = dot + 1;
   }
+}
+
+void apply_override(toml::table& root, const std::string& assignment) {
+  const auto eq = assignment.find('=');
+  const std::string key = eq == std::string::npos ? "" : trim(assignment.substr(0, eq));
+  const std::vector<std::string> segments = set_key_segments(key);
   if (key.empty() || contains(segments, ""))
     throw_config_error(std::string(kSetPrefix) + " '" + assignment + "': expected KEY=VALUE");
   // A quote in a key was written back unquoted by the resolved-config writer (a fuzzer's
