@@ -49,13 +49,20 @@ int check_checkpoints(const std::vector<std::string>& files, frugal::Learner& le
   int rc = 0;
   for (const auto& f : files) {
     try {
-      const nlohmann::json p = frugal::Learner::read_checkpoint(f)["position"];
+      const nlohmann::json saved = frugal::Learner::read_checkpoint(f);
+      const nlohmann::json& p = saved["position"];
       learner.load(f, /*with_opt=*/false);
+      const nlohmann::json info = saved.value("info", nlohmann::json::object());
+      const int64_t world = info.is_object() ? info.value("world_size", int64_t{1}) : 1;
+      const bool sharded = info.is_object() && info.value("optimizer_per_rank", false);
+      const std::string written =
+          "written by " + std::to_string(world) + (world == 1 ? " process" : " processes") +
+          (sharded ? ", the optimizer sharded per rank" : "");
       if (p.value("done", false))
-        log.info("{}: OK ({} steps; the fit's end)", f, p.value("steps", 0));
+        log.info("{}: OK ({} steps; the fit's end; {})", f, p.value("steps", 0), written);
       else
-        log.info("{}: OK ({} steps; resumes at stage {} epoch {} batch {})", f, p.value("steps", 0),
-                 p.value("stage", 0) + 1, p.value("epoch", 0) + 1, p.value("batch", 0) + 1);
+        log.info("{}: OK ({} steps; resumes at stage {} epoch {} batch {}; {})", f, p.value("steps", 0),
+                 p.value("stage", 0) + 1, p.value("epoch", 0) + 1, p.value("batch", 0) + 1, written);
     } catch (const std::exception& e) {
       log.error("{}", e.what());
       rc = 1;

@@ -264,29 +264,28 @@ void Zero::after_fit(frugal::Learner& l) {
   }
 }
 
+// Optional state: the Learner re-shards a checkpoint's optimizer by the layout it saved with it,
+// so a run without zero (one process, or plain data parallel) may resume it.
 void Zero::save_state(torch::serialize::OutputArchive& a) const {
   if (!active()) return;
+  a.write(frugal::kOptionalState, c10::IValue(true));
   a.write("stage", torch::tensor(o_.stage));
   a.write("world_size", torch::tensor(static_cast<int64_t>(World::get().size())));
   a.write("owners", torch::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())));
 }
 
 void Zero::load_state(frugal::Learner&, torch::serialize::InputArchive& a) {
-  torch::Tensor saved;
-  if (!a.try_read("owners", saved)) {
-    if (active())
-      throw frugal::CheckpointError(
-          "the checkpoint has no zero sharding (it was written in one process): its optimizer "
-          "cannot be split across these ranks");
-    return;
-  }
+  torch::Tensor saved, saved_world;
+  if (!active() || !a.try_read("owners", saved) || !a.try_read("world_size", saved_world)) return;
+  // Another world size (or a file of one process): the Learner re-shards the optimizer state.
+  if (saved_world.item<int64_t>() != World::get().size()) return;
+  // The same world size: each rank loads its own shard, which must be the one it steps now.
   const std::vector<int64_t> now(owners_.begin(), owners_.end());
   if (saved.numel() != static_cast<int64_t>(now.size()) ||
       !torch::equal(saved.to(torch::kLong), torch::tensor(now)))
     throw frugal::CheckpointError(
-        "the checkpoint's optimizer shards were cut for another model or world size (its "
-        "parameters' owners differ from this run's): resume with the model and the number of "
-        "ranks it was written with");
+        "the checkpoint's optimizer shards were cut for another model (its parameters' owners "
+        "differ from this run's): resume with the model it was written with");
   // optim_swap (a lower order) loads first and may put a full, unsharded optimizer back: the
   // Learner announces it (optimizer_replaced) before the checkpoint's shard loads into it.
 }

@@ -84,8 +84,9 @@ class Zero : public frugal::Callback {
   /// Each rank's bytes gathered to rank 0 and logged; gives data_parallel its sync back.
   void after_fit(frugal::Learner& l) override;
 
-  /// The sharding: stage, world size and each parameter's owner. load_state refuses a
-  /// checkpoint cut another way.
+  /// The sharding: stage, world size and each parameter's owner, marked optional (a run
+  /// without zero may resume it). At the same world size load_state refuses owners that differ
+  /// from this run's; at another, the Learner re-shards the optimizer state (learner.h).
   void save_state(torch::serialize::OutputArchive& a) const override;
   void load_state(frugal::Learner& l, torch::serialize::InputArchive& a) override;
 

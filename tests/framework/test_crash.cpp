@@ -130,7 +130,7 @@ TEST(DiskFullCli, ACheckpointPastTheFileSizeLimitStopsTheRunAndThePreviousOneRes
   EXPECT_EQ(at["stage"], 0) << at.dump();
   const auto check = run_cli("check " + dir.file("run.toml") + " --checkpoint " + ckpt);
   EXPECT_EQ(check.exit_code, 0) << check.output;
-  EXPECT_NE(check.output.find(ckpt + ": OK (8 steps; resumes at stage 1 epoch 1 batch 9)"), std::string::npos)
+  EXPECT_NE(check.output.find(ckpt + ": OK (8 steps; resumes at stage 1 epoch 1 batch 9; written by 1 process)"), std::string::npos)
       << check.output;
   // What the soak relies on: a cut checkpoint fails the check, naming it.
   const std::string bytes = read_text(ckpt);

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "core/guard.h"
 #include "core/pending_resume.h"
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
+#include "frugal/optim/reshard.h"
 #include "io/archive.h"
 
 namespace frugal {
@@ -23,11 +26,9 @@ std::string list(const std::vector<std::string>& v) {
   return "[" + out + "]";
 }
 
-// Every rank's optimizer_bytes on rank 0 ({} elsewhere), for a sharded optimizer. A collective:
-// the bytes travel padded to the longest, behind their length; only rank 0 holds them all.
-std::vector<std::vector<char>> gather_optimizers(Collective& world, const torch::optim::Optimizer& opt,
-                                                 const std::string& name) {
-  const std::vector<char> own = archive::optimizer_bytes(opt, name);
+// Every rank's `own` bytes on rank 0 ({} elsewhere). A collective: the bytes travel padded to
+// the longest, behind their length; only rank 0 holds them all.
+std::vector<std::vector<char>> gather_bytes(Collective& world, const std::vector<char>& own) {
   const auto n = static_cast<int64_t>(own.size());
   const int64_t longest = world.max(n);
   torch::Tensor t = torch::zeros({longest + 8}, torch::kByte);
@@ -43,6 +44,18 @@ std::vector<std::vector<char>> gather_optimizers(Collective& world, const torch:
     out.emplace_back(p + 8, p + 8 + len);
   }
   return out;
+}
+
+// The world size a checkpoint's run had (1 for one process and for files older than the key).
+int64_t saved_world_size(const nlohmann::json& info) {
+  return info.is_object() ? info.value("world_size", int64_t{1}) : int64_t{1};
+}
+
+// The saved generator a rank restores: its own, or rank 0's for a rank the writing run lacked.
+int rng_rank(int rank, int64_t saved_world) { return rank < saved_world ? rank : 0; }
+
+bool saved_per_rank(const nlohmann::json& info) {
+  return info.is_object() && info.value("optimizer_per_rank", false);
 }
 
 }  // namespace
@@ -119,10 +132,26 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     r.info["world_size"] = world.size();
     rank_rngs = world.all_gather(rng.cpu.to(world.device()));
   }
+  // Which model parameter each saved optimizer's state belongs to (per rank when sharded): a
+  // resume cut another way (another world size, zero on or off) moves each state where its
+  // parameter lives then (frugal/optim/reshard.h). None when an optimizer holds a tensor that
+  // is not the model's (such a file resumes only as it was written).
+  nlohmann::json layout;
+  try {
+    layout = optimizer_layout(*optimizer_, model_->parameters());
+  } catch (const Error&) {
+  }
+  r.optimizer_layout = layout.is_null() ? layout : nlohmann::json::array({layout});
   std::vector<std::vector<char>> rank_optimizers;  // a sharded optimizer: every rank's own
   if (world.distributed() && per_rank_optimizer_) {
     r.info["optimizer_per_rank"] = true;
-    rank_optimizers = gather_optimizers(world, *optimizer_, optimizer_options_.name);
+    rank_optimizers = gather_bytes(world, archive::optimizer_bytes(*optimizer_, optimizer_options_.name));
+    const std::string own = layout.dump();
+    r.optimizer_layout = nlohmann::json::array();
+    for (const auto& bytes : gather_bytes(world, std::vector<char>(own.begin(), own.end())))
+      r.optimizer_layout.push_back(nlohmann::json::parse(bytes.begin(), bytes.end()));
+    for (const auto& l : r.optimizer_layout)
+      if (l.is_null()) r.optimizer_layout = nullptr;
   }
   if (!world.is_main()) {  // rank 0 writes; the others learn whether it did
     if (world.any(false)) throw CheckpointError("rank 0 could not write checkpoint '" + path + "'");
@@ -173,21 +202,16 @@ nlohmann::json Learner::load_checkpoint(const std::string& path) {
   archive::open(path, device_, r->archive);
   r->record = archive::read_resume(r->archive, path);
   const Collective& world = collective();
-  const nlohmann::json& saved_info = r->record.info;
-  const int64_t saved_world =
-      saved_info.is_object() ? saved_info.value("world_size", int64_t{1}) : int64_t{1};
+  const int64_t saved_world = saved_world_size(r->record.info);
   if (saved_world != world.size())
-    throw CheckpointError("checkpoint '" + path + "' was written by a run of " +
-                          std::to_string(saved_world) + " process(es); this run has " +
-                          std::to_string(world.size()) + ": resume it with as many (frugal "
-                          "train --nproc " + std::to_string(saved_world) +
-                          ", or torchrun --nproc_per_node=" + std::to_string(saved_world) +
-                          "): each rank's data shard and random generator depend on it");
+    spdlog::info("checkpoint '{}' was written by {} process(es); this run has {}: the optimizer "
+                 "state re-sharded, the data continues at the same global batch, not bitwise",
+                 path, saved_world, world.size());
   // The records a resumed fit reads last, checked now: a damaged one fails before the model
   // changes.
   torch::Tensor loss_sum;
   archive::read_loss_sum(r->archive, loss_sum, path);
-  archive::read_rng(r->archive, device_, world.rank(), path);
+  archive::read_rng(r->archive, device_, rng_rank(world.rank(), saved_world), path);
   archive::load_model(*model_, r->archive, path);
   nlohmann::json info = r->record.info;
   resume_ = std::move(r);
@@ -299,29 +323,48 @@ int64_t Learner::apply_resume() {
   return p.batch;
 }
 
-// The optimizer's state at the position: rank 0's record, or with a sharded optimizer each
-// rank's own. A checkpoint of the other kind cannot fit: the ranks' parameter shares differ.
+// The optimizer's state at the position. Cut as this run cuts it (one optimizer for every rank,
+// or the same sharding at the same world size): rank 0's record, or with a sharded optimizer each
+// rank's own. Cut another way: re-sharded by each record's layout.
 void Learner::load_optimizer_state(PendingResume& r) {
   const Collective& world = collective();
-  const bool saved_per_rank =
-      r.record.info.is_object() && r.record.info.value("optimizer_per_rank", false);
-  if (world.distributed() && saved_per_rank != per_rank_optimizer_)
-    throw CheckpointError(
-        "checkpoint '" + r.path + "' holds " +
-        (saved_per_rank ? std::string("one optimizer shard per rank (its run sharded the "
-                                      "optimizer, e.g. plugins.zero); this run does not")
-                        : std::string("one optimizer for every rank (plain data parallel); "
-                                      "this run shards it across ranks (e.g. plugins.zero)")) +
-        ": resume with the plugins it was written with");
-  if (!per_rank_optimizer_ || world.rank() == 0) {
-    archive::load_optimizer(*optimizer_, optimizer_options_.name, r.archive, r.path,
-                            " at that point");
+  const bool per_rank = saved_per_rank(r.record.info);
+  const int64_t saved_world = saved_world_size(r.record.info);
+  const std::string at_position = " at that point";
+  if (!per_rank && !per_rank_optimizer_) {
+    archive::load_optimizer(*optimizer_, optimizer_options_.name, r.archive, r.path, at_position);
     return;
   }
-  archive::InputArchive own;
-  archive::read_rank_optimizer(r.archive, world.rank(), own, device_, r.path);
-  archive::load_optimizer(*optimizer_, optimizer_options_.name, own, r.path,
-                          " (rank " + std::to_string(world.rank()) + "'s) at that point");
+  const auto load_record = [&](size_t k, torch::optim::Optimizer& into) {
+    if (k == 0) {
+      archive::load_optimizer(into, optimizer_options_.name, r.archive, r.path, at_position);
+      return;
+    }
+    archive::InputArchive own;
+    archive::read_rank_optimizer(r.archive, static_cast<int>(k), own, device_, r.path);
+    archive::load_optimizer(into, optimizer_options_.name, own, r.path,
+                            " (rank " + std::to_string(k) + "'s) at that point");
+  };
+  if (per_rank && per_rank_optimizer_ && saved_world == world.size()) {
+    load_record(static_cast<size_t>(world.rank()), *optimizer_);
+    return;
+  }
+  const size_t records = per_rank ? static_cast<size_t>(saved_world) : 1;
+  std::vector<OptimizerLayout> layouts;
+  try {
+    layouts = r.record.optimizer_layout.get<std::vector<OptimizerLayout>>();
+  } catch (const nlohmann::json::exception&) {
+    throw CheckpointError("checkpoint '" + r.path + "' was written by " + std::to_string(saved_world) +
+                          " process(es) with " + (per_rank ? "one optimizer shard per rank" : "one optimizer") +
+                          " and without the optimizer's layout (a file of an older frugal, or an "
+                          "optimizer holding tensors that are not the model's): resume it as it was "
+                          "written (the same number of processes and the same plugins)");
+  }
+  if (layouts.size() != records)
+    throw CheckpointError("checkpoint '" + r.path + "' is damaged: " + std::to_string(layouts.size()) +
+                          " optimizer layouts for " + std::to_string(records) + " optimizer records");
+  reshard_optimizer_state(*optimizer_, optimizer_options_, model_->parameters(), layouts, load_record,
+                          "checkpoint '" + r.path + "'");
 }
 
 // Every saved callback state must have its callback here; each callback present reads its own.
@@ -353,7 +396,8 @@ void Learner::restore_loop_state(PendingResume& r) {
   stop_epoch_ = p.stop_epoch;
   capped_ = !p.stop_fit && !p.done && max_steps_ > 0 && iteration_ >= max_steps_;
   stop_fit_ = p.stop_fit || p.done || capped_;
-  if (auto rng = archive::read_rng(r.archive, device_, collective().rank(), r.path)) rng->restore();
+  const int rank = rng_rank(collective().rank(), saved_world_size(r.record.info));
+  if (auto rng = archive::read_rng(r.archive, device_, rank, r.path)) rng->restore();
 }
 
 }  // namespace frugal

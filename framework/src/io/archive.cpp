@@ -341,7 +341,8 @@ nlohmann::json to_json(const ResumeRecord& r) {
           {"loss_count", r.loss_count},
           {"valid_accuracy", r.valid_accuracy},
           {"valid_sums", {r.valid_sums.loss_sum, r.valid_sums.count, r.valid_sums.correct, r.valid_sums.bytes}},
-          {"info", r.info}};
+          {"info", r.info},
+          {"optimizer_layout", r.optimizer_layout}};
 }
 
 void write_resume(OutputArchive& a, const ResumeRecord& r) {
@@ -385,6 +386,7 @@ ResumeRecord read_resume(InputArchive& a, const std::string& path) {
     if (it->size() == 4 && (*it)[3].is_number()) r.valid_sums.bytes = (*it)[3].get<double>();
   }
   r.info = j.value("info", nlohmann::json());
+  r.optimizer_layout = j.value("optimizer_layout", nlohmann::json());
   try {
     for (const auto& s : j.at("stats")) r.stats.push_back(stats_from_json(s));
   } catch (const nlohmann::json::exception& e) {

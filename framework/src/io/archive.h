@@ -104,6 +104,9 @@ struct ResumeRecord {
   MetricSums valid_sums;  ///< the last validation's (count 0: none)
   std::vector<StageStats> stats;
   nlohmann::json info;  ///< stored as is (the CLI keeps the resolved config there)
+  /// Per saved optimizer record (rank 0's, then with a sharded optimizer rank r's), its layout
+  /// (frugal/optim/reshard.h): what a resume cut another way needs. Null in older files.
+  nlohmann::json optimizer_layout;
 };
 nlohmann::json to_json(const ResumeRecord& r);
 void write_resume(OutputArchive& a, const ResumeRecord& r);

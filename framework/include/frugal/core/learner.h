@@ -270,6 +270,13 @@ class Learner {
   /// first), and the counters (iteration, steps) already hold their saved values. Then each
   /// callback's load_state runs, then the optimizer's state is loaded, then the random
   /// generators are restored, and the loop continues with the next batch.
+  ///
+  /// Another world size, or an optimizer sharded another way (zero on N ranks, resumed on M,
+  /// or without zero), resumes too: each parameter's optimizer state moves to the rank whose
+  /// optimizer holds it now (the file's "optimizer_layout"), the data continues at the same
+  /// global batch (data.batch_size is the batch of a step at any world size), and a rank the
+  /// writing run did not have starts from rank 0's generator. Not bitwise: the gradients' mean
+  /// is summed in another order, and dropout's draws differ.
   nlohmann::json load_checkpoint(const std::string& path);
   /// The stored "resume" record of a checkpoint without touching any learner: "position",
   /// "info", "stages", "stage_epochs", "optimizer". Throws CheckpointError like load_checkpoint.
