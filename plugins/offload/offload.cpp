@@ -1,0 +1,314 @@
+// offload: the optimizer's state in memory-mapped files on disk, stepped in place.
+#include "offload.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <typeinfo>
+
+#include <c10/core/CPUAllocator.h>
+#include <frugal/base/compat.h>
+#include <frugal/base/error.h>
+#include <frugal/memory/memory.h>
+#include <frugal/optim/adafactor.h>
+#include <frugal/optim/adam8bit.h>
+
+namespace frugal::offload {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// One shared file mapping; unmapped when the last tensor using it dies.
+struct Segment {
+  char* base = nullptr;
+  size_t bytes = 0;
+  ~Segment();
+};
+
+// The live segments by base address: on_disk looks a pointer up, drop_pages walks them.
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<uintptr_t, Segment*>& registry() {
+  static std::map<uintptr_t, Segment*> r;
+  return r;
+}
+
+Segment::~Segment() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(reinterpret_cast<uintptr_t>(base));
+  }
+  munmap(base, bytes);
+}
+
+// A tensor's DataPtr context: a reference to its segment.
+void release(void* ctx) { delete static_cast<std::shared_ptr<Segment>*>(ctx); }
+
+constexpr size_t kAlign = 64;
+size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+[[noreturn]] void fail(const std::string& what, const std::string& path, int err) {
+  throw frugal::Error("plugins.offload: " + what + " '" + path + "': " + std::strerror(err));
+}
+
+// A file of `bytes` in `dir`, reserved, mapped shared and already unlinked.
+std::shared_ptr<Segment> make_segment(const std::string& dir, size_t bytes) {
+  static std::atomic<int64_t> counter{0};
+  const std::string path = (fs::path(dir) / ("frugal-offload-" + std::to_string(::getpid()) + "-" +
+                                             std::to_string(counter++) + ".bin"))
+                               .string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) fail("cannot create", path, errno);
+  const auto close_and_fail = [&](const std::string& what, int err) {
+    ::unlink(path.c_str());
+    ::close(fd);
+    fail(what, path, err);
+  };
+  if (const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)))
+    close_and_fail("no room for " + frugal::format_bytes(static_cast<int64_t>(bytes)) + " in", err);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) close_and_fail("cannot map", errno);
+  ::unlink(path.c_str());  // the mapping keeps the blocks; nothing outlives the process
+  ::close(fd);
+  auto s = std::make_shared<Segment>();
+  s->base = static_cast<char*>(p);
+  s->bytes = bytes;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry()[reinterpret_cast<uintptr_t>(s->base)] = s.get();
+  return s;
+}
+
+// While set on a thread, that thread's CPU allocations come from segments of their own: the
+// optimizer's first step creates its state there, never in the allocator's memory.
+thread_local const std::string* tl_redirect_dir = nullptr;
+
+// Installed as LibTorch's CPU allocator only around a redirected step; never deleted, since a
+// storage made meanwhile keeps a pointer to the allocator that made it (a resize calls it).
+class RedirectingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
+    if (!tl_redirect_dir || n == 0) return next_.load()->allocate(n);
+    const std::shared_ptr<Segment> seg = make_segment(*tl_redirect_dir, aligned(n));
+    return {seg->base, new std::shared_ptr<Segment>(seg), &release, c10::Device(c10::kCPU)};
+  }
+  // raw_allocate needs data == context, which a segment's pointer is not: no raw deleter.
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  FRUGAL_ALLOCATOR_COPY_DATA
+
+  std::atomic<c10::Allocator*> next_{nullptr};  // the allocator it stands above
+};
+
+RedirectingAllocator& redirecting_allocator() {
+  static auto* a = new RedirectingAllocator();
+  return *a;
+}
+
+// Above frugal's caching allocator (priority 100), so SetCPUAllocator takes it, and the one
+// before it can be put back.
+constexpr uint8_t kRedirectPriority = 101;
+
+}  // namespace
+
+std::optional<std::vector<torch::Tensor>> state_tensors(torch::optim::OptimizerParamState& s) {
+  namespace o = torch::optim;
+  std::vector<torch::Tensor> out;
+  // TORCH_ARG getters return a const reference; read them through a copy of the handle.
+  const auto get = [](const torch::Tensor& t) { return t; };
+  if (auto* a = dynamic_cast<o::AdamParamState*>(&s))
+    out = {get(a->exp_avg()), get(a->exp_avg_sq()), get(a->max_exp_avg_sq())};
+  else if (auto* w = dynamic_cast<o::AdamWParamState*>(&s))
+    out = {get(w->exp_avg()), get(w->exp_avg_sq()), get(w->max_exp_avg_sq())};
+  else if (auto* g = dynamic_cast<o::SGDParamState*>(&s))
+    out = {get(g->momentum_buffer())};
+  else if (auto* r = dynamic_cast<o::RMSpropParamState*>(&s))
+    out = {get(r->square_avg()), get(r->momentum_buffer()), get(r->grad_avg())};
+  else if (auto* d = dynamic_cast<o::AdagradParamState*>(&s))
+    out = {get(d->sum())};
+  else if (auto* f = dynamic_cast<frugal::AdafactorParamState*>(&s))
+    out = {get(f->exp_avg_sq_row()), get(f->exp_avg_sq_col()), get(f->exp_avg_sq()), get(f->exp_avg())};
+  else if (auto* q = dynamic_cast<frugal::Adam8bitParamState*>(&s))
+    out = {get(q->exp_avg()),          get(q->exp_avg_sq()),       get(q->exp_avg_codes()),
+           get(q->exp_avg_absmax()),   get(q->exp_avg_sq_codes()), get(q->exp_avg_sq_absmax())};
+  else
+    return std::nullopt;
+  return out;
+}
+
+Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir) {
+  std::vector<torch::Tensor> todo;
+  size_t total = 0;
+  for (const auto& t : ts) {
+    if (!t.defined() || t.numel() == 0 || !t.device().is_cpu() || on_disk(t)) continue;
+    todo.push_back(t);
+    total += aligned(t.numel() * t.element_size());
+  }
+  if (todo.empty()) return {};
+  const std::shared_ptr<Segment> seg = make_segment(dir, total);
+  torch::NoGradGuard no_grad;
+  Moved m;
+  size_t at = 0;
+  for (auto& t : todo) {
+    const size_t n = t.numel() * t.element_size();
+    char* p = seg->base + at;
+    torch::from_blob(p, t.sizes(), t.options()).copy_(t);
+    c10::Storage storage(c10::Storage::use_byte_size_t(), n,
+                         c10::DataPtr(p, new std::shared_ptr<Segment>(seg), &release, c10::Device(c10::kCPU)),
+                         /*allocator=*/nullptr, /*resizable=*/false);
+    t.set_(storage, 0, t.sizes());  // the same tensor (the optimizer's handle) on the file's bytes
+    at += aligned(n);
+    ++m.tensors;
+    m.bytes += static_cast<int64_t>(n);
+  }
+  return m;
+}
+
+bool on_disk(const torch::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.storage().data()) return false;
+  const auto p = reinterpret_cast<uintptr_t>(t.storage().data());
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().upper_bound(p);
+  if (it == registry().begin()) return false;
+  --it;
+  return p < it->first + it->second->bytes;
+}
+
+int64_t disk_bytes() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  int64_t n = 0;
+  for (const auto& [base, s] : registry()) n += static_cast<int64_t>(s->bytes);
+  return n;
+}
+
+int64_t drop_pages() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  int64_t n = 0;
+  for (const auto& [base, s] : registry())
+    if (::madvise(s->base, s->bytes, MADV_DONTNEED) == 0) n += static_cast<int64_t>(s->bytes);
+  return n;
+}
+
+// ---- the plugin ---------------------------------------------------------------------------
+
+void OffloadOptions::visit(frugal::FieldVisitor& v) {
+  // Where the state lives does not change a number the run computes.
+  v.field("to", to,
+          frugal::outside_training("where the optimizer state goes: \"disk\" (memory-mapped files; "
+                                   "\"cpu\", CUDA state to pinned host memory, is not written)"),
+          {"disk"});
+  v.field("dir", dir,
+          frugal::outside_training("the folder of the state files (unlinked as soon as mapped); "
+                                   "default: <run.out_dir>/offload, or the system's temp folder"));
+  v.field("drop_pages", drop_pages,
+          frugal::outside_training("after each step, drop the state's pages from the process "
+                                   "(they stay in the file and the page cache)"));
+}
+
+Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
+
+void Offload::before_fit(frugal::Learner& l) {
+  if (!l.device().is_cpu())
+    frugal::throw_config_error(
+        "plugins.offload keeps the optimizer state of a CPU run on disk; this run is on " +
+        l.device().str() + ", where the state would have to be stepped on the CPU (offload to "
+        "pinned host memory, not written): remove [plugins.offload] or run on the CPU");
+  moved_ = {};
+  unknown_ = 0;
+  redirected_for_ = -1;
+  dir_ = !o_.dir.empty()                     ? o_.dir
+         : !l.run_info().out_dir.empty() ? (fs::path(l.run_info().out_dir) / "offload").string()
+                                             : fs::temp_directory_path().string();
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec || !fs::is_directory(dir_))
+    frugal::throw_config_error("plugins.offload.dir = \"" + dir_ + "\": not a folder it can create (" +
+                               ec.message() + ")");
+}
+
+Offload::~Offload() { end_redirect(); }
+
+void Offload::begin_redirect() {
+  RedirectingAllocator& r = redirecting_allocator();
+  c10::Allocator* current = c10::GetCPUAllocator();
+  if (current != &r) {
+    r.next_ = current;
+    c10::SetCPUAllocator(&r, kRedirectPriority);
+  }
+  tl_redirect_dir = &dir_;
+}
+
+void Offload::end_redirect() {
+  tl_redirect_dir = nullptr;
+  RedirectingAllocator& r = redirecting_allocator();
+  if (c10::GetCPUAllocator() == &r) c10::SetCPUAllocator(r.next_.load(), kRedirectPriority);
+}
+
+// The first step of each optimizer (a fit's, a stage's own, optim_swap's, zero's shard) creates
+// its state: on disk, through the redirect. Last of the before_step hooks: nothing but the
+// step (and callbacks told of an optimizer replaced) runs between here and after_step.
+void Offload::before_step(frugal::Learner& l) {
+  if (l.step_skipped() || l.batch_skipped() || l.optimizer_changes() == redirected_for_) return;
+  redirected_for_ = l.optimizer_changes();
+  begin_redirect();
+}
+
+void Offload::after_step(frugal::Learner&) { end_redirect(); }
+
+void Offload::after_batch(frugal::Learner& l) {
+  end_redirect();  // also when the step failed
+  std::vector<torch::Tensor> fresh;
+  for (auto& kv : l.optimizer().state()) {
+    auto ts = state_tensors(*kv.second);
+    if (!ts) {
+      if (unknown_++ == 0)
+        log_->warn("the optimizer's state type {} is not one it knows: its tensors stay in memory",
+                   typeid(*kv.second).name());
+      continue;
+    }
+    for (auto& t : *ts)
+      if (t.defined() && !on_disk(t)) fresh.push_back(t);
+  }
+  const Moved m = move_to_disk(fresh, dir_);
+  moved_.tensors += m.tensors;
+  moved_.bytes += m.bytes;
+  if (o_.drop_pages) drop_pages();
+}
+
+StateBytes state_bytes(torch::optim::Optimizer& opt) {
+  StateBytes b;
+  for (auto& kv : opt.state()) {
+    const auto ts = state_tensors(*kv.second);
+    if (!ts) continue;
+    for (const auto& t : *ts)
+      if (t.defined()) (on_disk(t) ? b.on_disk : b.in_memory) += static_cast<int64_t>(t.nbytes());
+  }
+  return b;
+}
+
+void Offload::release_caches(frugal::Learner&) { end_redirect(); }
+
+void Offload::after_fit(frugal::Learner& l) {
+  end_redirect();
+  const StateBytes b = state_bytes(l.optimizer());
+  log_->info("optimizer state: {} in memory-mapped files in {}, {} in memory ({} moved in {} "
+             "tensors over the fit{})",
+             frugal::format_bytes(b.on_disk), dir_, frugal::format_bytes(b.in_memory),
+             frugal::format_bytes(moved_.bytes), moved_.tensors,
+             unknown_ ? "; states of an unknown type stayed in memory" : "");
+}
+
+}  // namespace frugal::offload
+
+FRUGAL_PLUGIN(frugal::offload::Offload, frugal::offload::OffloadOptions, "offload",
+              "keeps the optimizer state in memory-mapped files on disk, stepped in place "
+              "(ZeRO-Infinity's offload, for the CPU)",
+              "1.0.0")

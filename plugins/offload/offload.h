@@ -1,0 +1,106 @@
+#pragma once
+/// offload: the optimizer's state kept in memory-mapped files on disk instead of the process's
+/// memory (ZeRO-Infinity's NVMe offload, for the CPU). After each optimizer step, every state
+/// tensor not on disk yet (the first step creates them; a resume loads them) is copied into a
+/// file-backed shared mapping and the tensor is pointed at it (Tensor::set_, so the optimizer
+/// keeps the same tensor and steps it in place, the fused step included). The mapped pages are
+/// the page cache's: the kernel writes them back and drops them under pressure, and with
+/// drop_pages they leave the process after each step. What the memory budget counts (the
+/// allocator's live bytes) no longer holds the state; the disk does.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <frugal/core/learner.h>
+#include <frugal/plugin.h>
+#include <torch/torch.h>
+
+namespace frugal::offload {
+
+/// What one move_to_disk did.
+struct Moved {
+  int64_t tensors = 0;
+  int64_t bytes = 0;
+};
+
+/// Moves the CPU tensors of `ts` whose bytes are not in a segment yet into one new segment: a
+/// file created in `dir`, its blocks reserved (posix_fallocate: a full disk is an error here,
+/// not a SIGBUS at a later page fault), mapped shared and unlinked at once (nothing is left on
+/// disk after the last tensor using it dies, or a crash). Each tensor's bytes are copied, then
+/// the tensor points at them (contiguous, same sizes and dtype); the segment lives while any
+/// of its tensors does. Throws Error naming `dir` when the file cannot be made.
+Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir);
+/// Whether `t`'s bytes live in a segment.
+bool on_disk(const torch::Tensor& t);
+/// Bytes of the segments alive now (on disk, resident or not).
+int64_t disk_bytes();
+/// Drops every live segment's pages from this process (madvise MADV_DONTNEED: the data stays in
+/// the file and the page cache, and comes back on the next touch). Returns the bytes advised.
+int64_t drop_pages();
+
+/// The state tensors of one parameter's state, for the built-in optimizers (adam, adamw, sgd,
+/// rmsprop, adagrad, adafactor, adam8bit); nullopt for a state type it does not know.
+std::optional<std::vector<torch::Tensor>> state_tensors(torch::optim::OptimizerParamState& s);
+
+/// Bytes of an optimizer's state tensors (of the types state_tensors knows), on disk and not.
+struct StateBytes {
+  int64_t on_disk = 0;
+  int64_t in_memory = 0;
+};
+StateBytes state_bytes(torch::optim::Optimizer& opt);
+
+/// [plugins.offload]: TOML keys are the field names.
+struct OffloadOptions : frugal::Options {
+  std::string to = "disk";  ///< "disk"; "cpu" (CUDA state to pinned host memory) is not written
+  std::string dir;          ///< default "": <run.out_dir>/offload, or the system's temp folder
+  bool drop_pages = true;   ///< after each step, the state's pages leave the process
+  void visit(frugal::FieldVisitor& v) override;
+};
+
+/// The plugin's callback.
+class Offload : public frugal::Callback {
+ public:
+  Offload(const OffloadOptions& o, const frugal::PluginContext& ctx);
+  std::string name() const override { return "offload"; }
+  ~Offload() override;
+  /// Above every other callback (kProgress + 100): its before_step is the last hook before the
+  /// optimizer steps and its after_step the first after, so the redirect of the first step's
+  /// allocations (below) covers the step alone.
+  int order() const override { return frugal::order::kProgress + 100; }
+
+  /// Resolves the folder (created if missing); refuses a CUDA run, whose state would need the
+  /// step on the CPU ("cpu" offload, not written).
+  void before_fit(frugal::Learner& l) override;
+  /// The first step of each optimizer: the step's CPU allocations on this thread (its new
+  /// state, and for a non-fused optimizer that step's temporaries) come from segments of their
+  /// own, not the allocator's memory, so even that step's peak does not hold the state.
+  void before_step(frugal::Learner& l) override;
+  void after_step(frugal::Learner& l) override;
+  /// At the end of every batch (a step may have run in it, also one step_in_backward took
+  /// inside backward): moves the state created or loaded since to disk; drops the pages.
+  void after_batch(frugal::Learner& l) override;
+  /// After an out-of-memory error: the redirect ends (the step did not reach after_step).
+  void release_caches(frugal::Learner& l) override;
+  /// Logs the tensors and bytes on disk and what stayed in memory.
+  void after_fit(frugal::Learner& l) override;
+
+  /// What after_batch moved over the fit, and how many states of a type it does not know it
+  /// met (left in memory).
+  const Moved& moved() const { return moved_; }
+  int64_t unknown_states() const { return unknown_; }
+  const std::string& folder() const { return dir_; }
+
+ private:
+  OffloadOptions o_;
+  std::shared_ptr<spdlog::logger> log_;
+  std::string dir_;
+  Moved moved_;
+  int64_t unknown_ = 0;
+  int64_t redirected_for_ = -1;  // the optimizer_changes() whose first step was redirected
+  void begin_redirect();
+  void end_redirect();
+};
+
+}  // namespace frugal::offload

@@ -1,0 +1,189 @@
+// The offload plugin: state tensors moved into memory-mapped files keep their values and are
+// stepped in place; a fit with the state on disk gives bitwise the weights of one without, the
+// live bytes the budget counts no longer hold the state, and nothing is left in the folder.
+#include <filesystem>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+
+#include "cli_support.h"
+#include "frugal/base/compat.h"
+#include "frugal/io/safetensors.h"
+#include "learner_fixture.h"
+#include "offload.h"
+
+namespace frugal::test {
+namespace {
+
+namespace off = frugal::offload;
+
+size_t files_in(const std::string& dir) {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++n;
+  return n;
+}
+
+std::vector<torch::Tensor> all_state(torch::optim::Optimizer& opt) {
+  std::vector<torch::Tensor> out;
+  for (const auto& group : opt.param_groups()) {  // in the parameters' order (the map's differs)
+    for (const auto& p : group.params()) {
+      auto it = opt.state().find(compat::optimizer_state_key(p));
+      if (it == opt.state().end()) continue;
+      const auto ts = off::state_tensors(*it->second);
+      EXPECT_TRUE(ts.has_value());
+      if (!ts) continue;
+      for (const auto& t : *ts)
+        if (t.defined()) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+// Fused Adam's state moved after one step: the values stay, the optimizer's own tensors now live
+// in the file (on_disk), the second step updates them there and gives the reference's bits, and
+// the live bytes drop by the state's. The file is unlinked at once; the mapping goes with the
+// last tensor.
+TEST(OffloadMath, MovedStateKeepsItsValuesAndIsSteppedInPlace) {
+  TempDir dir;
+  MemoryMeter::get().install();
+  for (const std::string name : {"adam", "sgd", "adam8bit"}) {
+    torch::manual_seed(1);
+    torch::nn::Linear a(64, 300), b(64, 300);
+    { torch::NoGradGuard g; b->weight.copy_(a->weight); b->bias.copy_(a->bias); }
+    OptimizerOptions o;
+    o.name = name;
+    o.lr = 0.01;
+    if (name == "sgd") o.set("momentum", 0.9);
+    auto oa = make_optimizer(o, a->parameters()), ob = make_optimizer(o, b->parameters());
+    const auto step = [](torch::nn::Linear& m, torch::optim::Optimizer& opt, int i) {
+      opt.zero_grad();
+      torch::manual_seed(10 + i);
+      m->forward(torch::randn({8, 64})).pow(2).sum().backward();
+      opt.step();
+    };
+    step(a, *oa, 0);
+    step(b, *ob, 0);
+    std::vector<torch::Tensor> before;
+    for (const auto& t : all_state(*oa)) before.push_back(t.clone());
+    const int64_t live = MemoryMeter::get().current();
+    const off::Moved m = off::move_to_disk(all_state(*oa), dir.file(""));
+    EXPECT_GT(m.tensors, 1) << name;
+    EXPECT_LE(MemoryMeter::get().current(), live - m.bytes) << name << ": the state left the allocator";
+    EXPECT_EQ(files_in(dir.file("")), 0u) << "unlinked as soon as mapped";
+    EXPECT_GE(off::disk_bytes(), m.bytes);
+    {
+      const auto moved = all_state(*oa);
+      ASSERT_EQ(moved.size(), before.size());
+      for (size_t i = 0; i < moved.size(); ++i) {
+        EXPECT_TRUE(off::on_disk(moved[i])) << name << " " << i;
+        EXPECT_TRUE(torch::equal(moved[i], before[i])) << name << " " << i;
+      }
+      EXPECT_EQ(off::move_to_disk(moved, dir.file("")).tensors, 0) << "already there";
+    }
+    EXPECT_EQ(off::state_bytes(*oa).in_memory, 0) << name;
+    off::drop_pages();  // the next step faults them back in from the page cache
+    step(a, *oa, 1);
+    step(b, *ob, 1);
+    EXPECT_TRUE(torch::equal(a->weight, b->weight)) << name;
+    EXPECT_TRUE(torch::equal(a->bias, b->bias)) << name;
+    for (const auto& t : all_state(*oa)) EXPECT_TRUE(off::on_disk(t)) << name << ": stepped in place";
+    oa.reset();
+    EXPECT_EQ(off::disk_bytes(), 0) << name << ": unmapped with the last tensor";
+  }
+}
+
+std::shared_ptr<off::Offload> make_plugin(const std::string& dir, std::ostringstream& out) {
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  sink->set_pattern("%n: %v");
+  off::OffloadOptions o;
+  o.dir = dir;
+  return std::make_shared<off::Offload>(o, PluginContext{"offload", std::make_shared<spdlog::logger>("offload", sink)});
+}
+
+/// One tiny fit (2 epochs, Adam), with or without the plugin, measured alone (every tensor of
+/// it gone when this returns): its weights as numbers, the first stage's step phase peak, and
+/// the state's bytes on disk and in memory at the end.
+struct TinyFit {
+  std::vector<std::vector<float>> weights;
+  int64_t step_peak = 0;
+  off::StateBytes state;
+  off::Moved moved;
+};
+
+TinyFit tiny_fit(const std::string& dir, std::ostringstream* log) {
+  auto l = make_tiny_learner();
+  std::shared_ptr<off::Offload> plugin;
+  if (log) l->add_callback(plugin = make_plugin(dir, *log));
+  l->fit(2);
+  TinyFit f;
+  for (const auto& p : l->model()->parameters()) {
+    const torch::Tensor c = p.contiguous();
+    f.weights.emplace_back(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  f.step_peak = l->report()["stages"][0]["phase_peaks"]["step"].get<int64_t>();
+  f.state = off::state_bytes(l->optimizer());
+  if (plugin) f.moved = plugin->moved();
+  return f;
+}
+
+// The plugin in a fit: the first step makes the state on disk (its peak, the allocator's, lacks
+// the state), every later step updates it there, the weights are bitwise those of the same fit
+// without it, and a save reads the state back like any tensor.
+TEST(Offload, AFitWithTheStateOnDiskEqualsOneWithout) {
+  TempDir dir;
+  std::ostringstream log;
+  const TinyFit plain = tiny_fit("", nullptr), off_fit = tiny_fit(dir.file("state"), &log);
+  EXPECT_EQ(off_fit.weights, plain.weights);
+  EXPECT_GT(off_fit.state.on_disk, 0);
+  EXPECT_EQ(off_fit.state.in_memory, 0);
+  EXPECT_EQ(plain.state.in_memory, off_fit.state.on_disk);
+  EXPECT_EQ(off_fit.moved.bytes, 0) << "made on disk by the first step, stepped in place after";
+  EXPECT_LE(off_fit.step_peak, plain.step_peak - off_fit.state.on_disk)
+      << off_fit.step_peak << " vs " << plain.step_peak;
+  EXPECT_EQ(files_in(dir.file("state")), 0u);
+  EXPECT_NE(log.str().find("in memory-mapped files in " + dir.file("state")), std::string::npos) << log.str();
+
+  // Saved with its state and loaded into a learner without the plugin: the same moments.
+  auto l = make_tiny_learner();
+  l->add_callback(make_plugin(dir.file("state"), log));
+  l->fit(1);
+  l->save(dir.file("m.pt"), /*with_opt=*/true);
+  auto back = make_tiny_learner();
+  back->load(dir.file("m.pt"), /*with_opt=*/true);
+  const auto saved = all_state(l->optimizer()), loaded = all_state(back->optimizer());
+  ASSERT_EQ(saved.size(), loaded.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_TRUE(off::on_disk(saved[i])) << i;
+    EXPECT_TRUE(torch::equal(saved[i], loaded[i])) << i;
+  }
+}
+
+// From the command line: the key's values are checked, the run's weights are those without it.
+TEST(OffloadCli, TrainsWithTheStateOnDiskAndRefusesAnUnknownTarget) {
+  TempDir dir;
+  const auto config = [&](const std::string& out, const std::string& extra) {
+    return "[run]\nout_dir = \"" + out + "\"\nthreads = 1\nseed = 2\nprogress = \"log\"\n"
+           "[data]\ndataset = \"synthetic\"\nsamples = 96\nimage_size = 8\nclasses = 4\n"
+           "batch_size = 32\nvalid_samples = -1\n[model]\narch = \"mlp\"\nwidth = 32\n"
+           "[optimizer]\nname = \"adamw\"\nlr = 0.01\n[[stages]]\nepochs = 2\n" + extra;
+  };
+  const std::string with = dir.file("with"), without = dir.file("without");
+  write_text(dir.file("with.toml"), config(with, "[plugins.offload]\n"));
+  write_text(dir.file("without.toml"), config(without, ""));
+  const auto r = run_cli("train " + dir.file("with.toml"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("in memory-mapped files in " + with + "/offload"), std::string::npos) << r.output;
+  ASSERT_EQ(run_cli("train " + dir.file("without.toml")).exit_code, 0);
+  const auto a = safetensors::read(with + "/model.safetensors"), b = safetensors::read(without + "/model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [k, t] : a) EXPECT_TRUE(torch::equal(t, b.at(k))) << k;
+
+  const auto bad = run_cli("check " + dir.file("with.toml") + " --set plugins.offload.to='\"cpu\"'");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("plugins.offload.to"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("disk"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace frugal::test
