@@ -2,7 +2,9 @@
 #include "offload.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -30,6 +32,7 @@ namespace fs = std::filesystem;
 struct Segment {
   char* base = nullptr;
   size_t bytes = 0;
+  bool scratch = false;  // one allocation of a redirected step: packed into a segment later
   ~Segment();
 };
 
@@ -62,7 +65,7 @@ size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }
 
 // A file of `bytes` in `dir`, reserved, mapped shared and already unlinked.
-std::shared_ptr<Segment> make_segment(const std::string& dir, size_t bytes) {
+std::shared_ptr<Segment> make_segment(const std::string& dir, size_t bytes, bool scratch) {
   static std::atomic<int64_t> counter{0};
   const std::string path = (fs::path(dir) / ("frugal-offload-" + std::to_string(::getpid()) + "-" +
                                              std::to_string(counter++) + ".bin"))
@@ -83,6 +86,7 @@ std::shared_ptr<Segment> make_segment(const std::string& dir, size_t bytes) {
   auto s = std::make_shared<Segment>();
   s->base = static_cast<char*>(p);
   s->bytes = bytes;
+  s->scratch = scratch;
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry()[reinterpret_cast<uintptr_t>(s->base)] = s.get();
   return s;
@@ -98,7 +102,7 @@ class RedirectingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
     if (!tl_redirect_dir || n == 0) return next_.load()->allocate(n);
-    const std::shared_ptr<Segment> seg = make_segment(*tl_redirect_dir, aligned(n));
+    const std::shared_ptr<Segment> seg = make_segment(*tl_redirect_dir, aligned(n), /*scratch=*/true);
     return {seg->base, new std::shared_ptr<Segment>(seg), &release, c10::Device(c10::kCPU)};
   }
   // raw_allocate needs data == context, which a segment's pointer is not: no raw deleter.
@@ -148,12 +152,12 @@ Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir)
   std::vector<torch::Tensor> todo;
   size_t total = 0;
   for (const auto& t : ts) {
-    if (!t.defined() || t.numel() == 0 || !t.device().is_cpu() || on_disk(t)) continue;
+    if (!t.defined() || t.numel() == 0 || !t.device().is_cpu() || packed_on_disk(t)) continue;
     todo.push_back(t);
     total += aligned(t.numel() * t.element_size());
   }
   if (todo.empty()) return {};
-  const std::shared_ptr<Segment> seg = make_segment(dir, total);
+  const std::shared_ptr<Segment> seg = make_segment(dir, total, /*scratch=*/false);
   torch::NoGradGuard no_grad;
   Moved m;
   size_t at = 0;
@@ -172,15 +176,22 @@ Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir)
   return m;
 }
 
-bool on_disk(const torch::Tensor& t) {
-  if (!t.defined() || !t.has_storage() || !t.storage().data()) return false;
+namespace {
+// Where t's bytes are: 0 in no segment, 1 in a segment, 2 in a scratch segment.
+int placement(const torch::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.storage().data()) return 0;
   const auto p = reinterpret_cast<uintptr_t>(t.storage().data());
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto it = registry().upper_bound(p);
-  if (it == registry().begin()) return false;
+  if (it == registry().begin()) return 0;
   --it;
-  return p < it->first + it->second->bytes;
+  if (p >= it->first + it->second->bytes) return 0;
+  return it->second->scratch ? 2 : 1;
 }
+}  // namespace
+
+bool on_disk(const torch::Tensor& t) { return placement(t) != 0; }
+bool packed_on_disk(const torch::Tensor& t) { return placement(t) == 1; }
 
 int64_t disk_bytes() {
   std::lock_guard<std::mutex> lock(registry_mutex());
@@ -232,6 +243,10 @@ void Offload::before_fit(frugal::Learner& l) {
   if (ec || !fs::is_directory(dir_))
     frugal::throw_config_error("plugins.offload.dir = \"" + dir_ + "\": not a folder it can create (" +
                                ec.message() + ")");
+  struct statfs fs_info {};
+  if (::statfs(dir_.c_str(), &fs_info) == 0 && fs_info.f_type == TMPFS_MAGIC)
+    log_->warn("{} is on a tmpfs, which lives in memory: the state would stay there; set "
+               "plugins.offload.dir to a folder on a disk", dir_);
 }
 
 Offload::~Offload() { end_redirect(); }
@@ -275,7 +290,7 @@ void Offload::after_batch(frugal::Learner& l) {
       continue;
     }
     for (auto& t : *ts)
-      if (t.defined() && !on_disk(t)) fresh.push_back(t);
+      if (t.defined() && !packed_on_disk(t)) fresh.push_back(t);
   }
   const Moved m = move_to_disk(fresh, dir_);
   moved_.tensors += m.tensors;

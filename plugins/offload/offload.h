@@ -25,15 +25,18 @@ struct Moved {
   int64_t bytes = 0;
 };
 
-/// Moves the CPU tensors of `ts` whose bytes are not in a segment yet into one new segment: a
+/// Moves the CPU tensors of `ts` whose bytes are not in a packed segment yet (in memory, or each
+/// in a scratch segment of its own: what a redirected step allocated) into one new segment: a
 /// file created in `dir`, its blocks reserved (posix_fallocate: a full disk is an error here,
 /// not a SIGBUS at a later page fault), mapped shared and unlinked at once (nothing is left on
 /// disk after the last tensor using it dies, or a crash). Each tensor's bytes are copied, then
 /// the tensor points at them (contiguous, same sizes and dtype); the segment lives while any
 /// of its tensors does. Throws Error naming `dir` when the file cannot be made.
 Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir);
-/// Whether `t`'s bytes live in a segment.
+/// Whether `t`'s bytes live in a segment (packed or scratch).
 bool on_disk(const torch::Tensor& t);
+/// Whether they live in a packed one (what move_to_disk makes).
+bool packed_on_disk(const torch::Tensor& t);
 /// Bytes of the segments alive now (on disk, resident or not).
 int64_t disk_bytes();
 /// Drops every live segment's pages from this process (madvise MADV_DONTNEED: the data stays in

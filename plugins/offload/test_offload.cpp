@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
 
@@ -138,7 +139,7 @@ TEST(Offload, AFitWithTheStateOnDiskEqualsOneWithout) {
   EXPECT_GT(off_fit.state.on_disk, 0);
   EXPECT_EQ(off_fit.state.in_memory, 0);
   EXPECT_EQ(plain.state.in_memory, off_fit.state.on_disk);
-  EXPECT_EQ(off_fit.moved.bytes, 0) << "made on disk by the first step, stepped in place after";
+  EXPECT_EQ(off_fit.moved.bytes, off_fit.state.on_disk) << "made on disk, packed once, stepped in place";
   EXPECT_LE(off_fit.step_peak, plain.step_peak - off_fit.state.on_disk)
       << off_fit.step_peak << " vs " << plain.step_peak;
   EXPECT_EQ(files_in(dir.file("state")), 0u);
@@ -157,6 +158,35 @@ TEST(Offload, AFitWithTheStateOnDiskEqualsOneWithout) {
     EXPECT_TRUE(off::on_disk(saved[i])) << i;
     EXPECT_TRUE(torch::equal(saved[i], loaded[i])) << i;
   }
+}
+
+/// Removes the offload folder before the first step: the step's first state file cannot be made.
+struct FolderRemover : Callback {
+  explicit FolderRemover(std::string d) : dir(std::move(d)) {}
+  std::string name() const override { return "folder_remover"; }
+  void before_step(Learner&) override { std::filesystem::remove_all(dir); }
+  std::string dir;
+};
+
+// A first step that fails inside the redirect (its state file cannot be made) ends the fit with
+// an error naming the folder, and the redirect with it: LibTorch's CPU allocator is the one it
+// was, and a tensor made afterwards lives in memory.
+TEST(Offload, AStepThatFailsInsideTheRedirectEndsIt) {
+  TempDir dir;
+  auto l = make_tiny_learner();
+  c10::Allocator* before = c10::GetCPUAllocator();
+  std::ostringstream log;
+  l->add_callback(make_plugin(dir.file("gone"), log));
+  l->add_callback(std::make_shared<FolderRemover>(dir.file("gone")));
+  std::string error;
+  try {
+    l->fit(1);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("plugins.offload: cannot create '" + dir.file("gone")), std::string::npos) << error;
+  EXPECT_EQ(c10::GetCPUAllocator(), before);
+  EXPECT_FALSE(off::on_disk(torch::ones({4096})));
 }
 
 // From the command line: the key's values are checked, the run's weights are those without it.

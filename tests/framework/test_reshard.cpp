@@ -10,14 +10,17 @@
 #include "frugal/base/error.h"
 #include "frugal/optim/optimizers.h"
 #include "frugal/optim/reshard.h"
+#include "learner_fixture.h"
 
 namespace frugal {
 namespace {
 
-/// Two linear layers: four parameters (two matrices, two biases) from one seed.
+/// Two linear layers: four parameters (two matrices, two biases) from one seed. The first
+/// matrix has 5,120 elements: adam8bit keeps its moments quantized (4,096 and more), the others'
+/// in float32.
 torch::nn::Sequential two_layers() {
   torch::manual_seed(3);
-  return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::Tanh(), torch::nn::Linear(3, 2));
+  return torch::nn::Sequential(torch::nn::Linear(80, 64), torch::nn::Tanh(), torch::nn::Linear(64, 2));
 }
 
 OptimizerOptions reshard_options(const std::string& name) {
@@ -39,7 +42,7 @@ std::vector<torch::Tensor> pick_params(const std::vector<torch::Tensor>& params,
 void step_all(torch::nn::Sequential& m, const std::vector<torch::optim::Optimizer*>& opts, int step) {
   for (auto* o : opts) o->zero_grad();
   torch::manual_seed(100 + step);
-  m->forward(torch::randn({5, 4})).pow(2).sum().backward();
+  m->forward(torch::randn({5, 80})).pow(2).sum().backward();
   for (auto* o : opts) o->step();
 }
 
@@ -149,9 +152,34 @@ TEST(Reshard, UnneededRecordsAreNotReadAndBadLayoutsAreRefused) {
   EXPECT_NE(error({{{0, 9}, {}}}).find("checkpoint 'c.ckpt': its optimizer layout names parameter 9; "
                                        "this model has 4"),
             std::string::npos);
+  // Parameter 0, which this optimizer steps, in no saved optimizer: fresh moments would follow.
+  EXPECT_NE(error({{{2}, {1, 3}}}).find("steps parameter 0 [64, 80], which none of its saved optimizers held"),
+            std::string::npos)
+      << error({{{2}, {1, 3}}});
   // A bias in the decayed group: this configuration puts it in the second.
   EXPECT_NE(error({{{0, 1}, {}}}).find("cannot be rebuilt over the same parameters"), std::string::npos)
       << error({{{0, 1}, {}}});
+}
+
+// An optimizer holding a tensor that is not the model's (a learnable loss weight, say): its
+// checkpoint has no layout (it cannot be re-cut) but saves and resumes as written.
+TEST(Reshard, AnOptimizerHoldingAForeignTensorSavesAndResumesAsWritten) {
+  test::TempDir dir;
+  const auto with_extra = [](Learner& l) {
+    std::vector<torch::Tensor> ps = l.model()->parameters();
+    ps.push_back(torch::zeros({3}, torch::requires_grad()));
+    l.set_optimizer(make_optimizer(l.optimizer_options(), ps), l.optimizer_options());
+  };
+  auto a = test::make_tiny_learner();
+  with_extra(*a);
+  a->fit(1);
+  a->save_checkpoint(dir.file("c.ckpt"));
+  EXPECT_TRUE(Learner::read_checkpoint(dir.file("c.ckpt"))["optimizer_layout"].is_null());
+  auto b = test::make_tiny_learner();
+  with_extra(*b);
+  b->load_checkpoint(dir.file("c.ckpt"));
+  b->fit(2);
+  EXPECT_EQ(b->steps(), 2 * a->steps());
 }
 
 }  // namespace

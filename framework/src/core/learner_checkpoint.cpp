@@ -150,8 +150,9 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     r.optimizer_layout = nlohmann::json::array();
     for (const auto& bytes : gather_bytes(world, std::vector<char>(own.begin(), own.end())))
       r.optimizer_layout.push_back(nlohmann::json::parse(bytes.begin(), bytes.end()));
-    for (const auto& l : r.optimizer_layout)
-      if (l.is_null()) r.optimizer_layout = nullptr;
+    const nlohmann::json& all = r.optimizer_layout;
+    if (std::any_of(all.begin(), all.end(), [](const nlohmann::json& l) { return l.is_null(); }))
+      r.optimizer_layout = nullptr;
   }
   if (!world.is_main()) {  // rank 0 writes; the others learn whether it did
     if (world.any(false)) throw CheckpointError("rank 0 could not write checkpoint '" + path + "'");

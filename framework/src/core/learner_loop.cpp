@@ -330,7 +330,18 @@ void Learner::run_step() {
   fire(Event::BeforeStep);
   announce_optimizer();  // the last before_step hook may have replaced it
   if (!skip_step_ && !skip_batch_) {
-    if (auto oom = catch_oom([&] { optimizer_->step(); })) {
+    // A step that fails (out of memory, a file it could not make) releases the caches: a
+    // callback that prepared the step (offload's allocator redirect) undoes it there.
+    const auto step = [&] {
+      try {
+        return catch_oom([&] { optimizer_->step(); });
+      } catch (...) {
+        release_caches();
+        throw;
+      }
+    };
+    if (auto oom = step()) {
+      release_caches();
       micro_.count_oom();
       zero_grad();
       throw oom_in_step(batch_index_, iteration_, *oom);

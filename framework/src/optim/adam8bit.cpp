@@ -290,8 +290,16 @@ void Adam8bit::step_one(Tensor& p, const Adam8bitOptions& o) {
   p.addcdiv_(m, denom, -o.lr() / bias_correction1);
   s.step(t);
   if (quantized) {
-    s.exp_avg_codes(q1.codes).exp_avg_absmax(q1.absmax);
-    s.exp_avg_sq_codes(q2.codes).exp_avg_sq_absmax(q2.absmax);
+    // Into the tensors the state holds when they fit (no allocation, so nothing can fail
+    // after p changed): whoever holds them (offload's mapped files) keeps them.
+    const auto into = [](const Tensor& held, const Tensor& now) {
+      if (!held.defined() || held.sizes() != now.sizes() || held.dtype() != now.dtype()) return now;
+      Tensor(held).copy_(now);
+      return held;
+    };
+    s.exp_avg_codes(into(s.exp_avg_codes(), q1.codes)).exp_avg_absmax(into(s.exp_avg_absmax(), q1.absmax));
+    s.exp_avg_sq_codes(into(s.exp_avg_sq_codes(), q2.codes))
+        .exp_avg_sq_absmax(into(s.exp_avg_sq_absmax(), q2.absmax));
   } else {
     s.exp_avg(m).exp_avg_sq(v);
   }

@@ -71,9 +71,20 @@ int64_t reshard_optimizer_state(torch::optim::Optimizer& into, const OptimizerOp
                                 const std::vector<OptimizerLayout>& saved,
                                 const LoadSavedOptimizer& load, const std::string& where) {
   const Index index = index_of(params);
-  std::vector<bool> wanted(params.size(), false);
+  std::vector<bool> wanted(params.size(), false), saved_somewhere(params.size(), false);
   for (const auto& group : optimizer_layout(into, params))
     for (const int64_t i : group) wanted[static_cast<size_t>(i)] = true;
+  for (const auto& layout : saved)
+    for (const auto& p : layout_params(layout, params, where))
+      saved_somewhere[static_cast<size_t>(index.at(p.unsafeGetTensorImpl()))] = true;
+  // A parameter no saved optimizer held would start with fresh moments, silently (LibTorch's
+  // own load refuses a group of another size).
+  for (size_t i = 0; i < params.size(); ++i)
+    if (wanted[i] && !saved_somewhere[i])
+      throw CheckpointError(where + ": this run's optimizer steps parameter " + std::to_string(i) + " " +
+                            c10::str(params[i].sizes()) + ", which none of its saved optimizers held: "
+                            "the trained parameters changed (freeze, adapters); resume with the ones it "
+                            "was written with");
   std::unordered_map<int64_t, std::unique_ptr<torch::optim::OptimizerParamState>> found;
   for (size_t k = 0; k < saved.size(); ++k) {
     const std::vector<torch::Tensor> ps = layout_params(saved[k], params, where);
