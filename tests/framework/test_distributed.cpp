@@ -314,9 +314,13 @@ std::vector<pid_t> children_of(pid_t pid) {
   return out;
 }
 
-TEST(DataParallelCli, ARankThatDiesEndsTheWholeRun) {
+// A lost rank ends the run; its last checkpoint then resumes in one process (the lost node is
+// not needed back): the optimizer state and the data position carry over.
+TEST(DataParallelCli, ARankThatDiesEndsTheWholeRunAndItsCheckpointResumesOnFewerRanks) {
   TempDir dir;
-  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "", 20000));
+  std::string cfg = dp_config(dir.file("run"), "", 20000, "adam");
+  cfg.replace(cfg.find("seed = 5\n"), 9, "seed = 5\ncheckpoint_every = 2\n");
+  write_text(dir.file("run.toml"), cfg);
   const pid_t pid = start_train({"train", dir.file("run.toml"), "--nproc", "2"}, dir.file("log"));
   int status = 0;
   ASSERT_TRUE(wait_for_marker(pid, dir.file("log"), "batch 3/", status)) << read_text(dir.file("log"));
@@ -329,6 +333,14 @@ TEST(DataParallelCli, ARankThatDiesEndsTheWholeRun) {
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGKILL) << log;
   EXPECT_NE(log.find("rank 1 ended with exit code 137: stopping the other ranks"), std::string::npos) << log;
   EXPECT_NE(::kill(ranks[0], 0), 0) << "rank 0 is gone too";
+
+  const std::string ckpt = dir.file("run") + "/checkpoints/last.ckpt";
+  const auto at = Learner::read_checkpoint(ckpt);
+  ASSERT_EQ(at["info"]["world_size"], 2);
+  const auto one = run_cli("train " + dir.file("run.toml") + " --resume auto");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("written by 2 process(es); this run has 1"), std::string::npos) << one.output;
+  EXPECT_EQ(report(dir.file("run"))["fit"]["optimizer_steps"], 800) << "20000 samples, 2 epochs of 50";
 }
 
 /// A port nothing listens on now.
