@@ -69,6 +69,21 @@ TEST(Shards, ALastBatchSmallerThanTheWorldIsDroppedAndATooSmallBatchRefused) {
   EXPECT_EQ(four.num_batches(), 5);
   four.set_shard(3, 4);
   EXPECT_EQ(four.num_batches(), 4) << "1 sample for 4 ranks: three would get none";
+  // Validation keeps it (every_sample): the one sample goes to one rank, the others have no row.
+  int64_t rows = 0;
+  for (int r = 0; r < 4; ++r) {
+    DataLoader v(numbered(41), 10, false, 0);
+    v.set_shard(r, 4, /*every_sample=*/true);
+    ASSERT_EQ(v.num_batches(), 5);
+    rows += v.rows(4);
+    if (v.rows(4) == 1) {
+      EXPECT_EQ(v.batch(4).y.item<int64_t>(), 40) << "rank " << r;
+    }
+    int64_t seen = 0;
+    for (int64_t i = 0; i < 4; ++i) seen += v.rows(i);
+    EXPECT_GE(seen, 8) << "full batches split 2 or 3 per rank";
+  }
+  EXPECT_EQ(rows, 1) << "every sample once";
   DataLoader tiny(numbered(10), 2, false, 0);
   try {
     tiny.set_shard(0, 4);
