@@ -235,6 +235,7 @@ void Offload::before_fit(frugal::Learner& l) {
   moved_ = {};
   unknown_ = 0;
   redirected_for_ = -1;
+  scanned_at_ = {-1, -1};
   dir_ = !o_.dir.empty()                     ? o_.dir
          : !l.run_info().out_dir.empty() ? (fs::path(l.run_info().out_dir) / "offload").string()
                                              : fs::temp_directory_path().string();
@@ -280,6 +281,11 @@ void Offload::after_step(frugal::Learner&) { end_redirect(); }
 
 void Offload::after_batch(frugal::Learner& l) {
   end_redirect();  // also when the step failed
+  // New state comes with a step or another optimizer (a resume's loads before its first step):
+  // an accumulation group's inner batches have nothing to move or drop.
+  const std::pair<int64_t, int64_t> now{l.steps(), l.optimizer_changes()};
+  if (now == scanned_at_) return;
+  scanned_at_ = now;
   std::vector<torch::Tensor> fresh;
   for (auto& kv : l.optimizer().state()) {
     auto ts = state_tensors(*kv.second);

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <frugal/core/learner.h>
@@ -102,6 +103,7 @@ class Offload : public frugal::Callback {
   Moved moved_;
   int64_t unknown_ = 0;
   int64_t redirected_for_ = -1;  // the optimizer_changes() whose first step was redirected
+  std::pair<int64_t, int64_t> scanned_at_{-1, -1};  // steps(), optimizer_changes() at the last scan
   void begin_redirect();
   void end_redirect();
 };

@@ -106,7 +106,9 @@ std::vector<std::string> set_key_segments(const std::string& key) {
   }
 }
 
-void apply_override(toml::table& root, const std::string& assignment) {
+// The --set assignment's key cut into its segments, refused (naming the --set) when it is not
+// KEY=VALUE or its key could not be written back and read again.
+std::vector<std::string> checked_set_key(const std::string& assignment, const std::string& origin) {
   const auto eq = assignment.find('=');
   const std::string key = eq == std::string::npos ? "" : trim(assignment.substr(0, eq));
   const std::vector<std::string> segments = set_key_segments(key);
@@ -117,13 +119,18 @@ void apply_override(toml::table& root, const std::string& assignment) {
   if (key.find_first_of("'\"") != std::string::npos)
     throw_config_error(std::string(kSetPrefix) + " '" + assignment + "': a key holds no quote; "
                        "--set takes dotted keys (data.batch_size, stages.0.epochs)");
-  const std::string origin = std::string(kSetPrefix) + " " + assignment;
   for (const auto& seg : segments)
     if (has_control(seg))
       throw_config_error(origin + ": a key holds no control character (a tab, a newline)");
   if (!valid_utf8(assignment))
     throw_config_error(origin + ": not UTF-8 text (TOML keys and strings are Unicode)");
-  toml::table value = parse_value(trim(assignment.substr(eq + 1)), origin);
+  return segments;
+}
+
+void apply_override(toml::table& root, const std::string& assignment) {
+  const std::string origin = std::string(kSetPrefix) + " " + assignment;
+  const std::vector<std::string> segments = checked_set_key(assignment, origin);
+  toml::table value = parse_value(trim(assignment.substr(assignment.find('=') + 1)), origin);
 
   toml::node* at = &root;
   std::string path;  // the dotted key of `at`

@@ -132,28 +132,7 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     r.info["world_size"] = world.size();
     rank_rngs = world.all_gather(rng.cpu.to(world.device()));
   }
-  // Which model parameter each saved optimizer's state belongs to (per rank when sharded): a
-  // resume cut another way (another world size, zero on or off) moves each state where its
-  // parameter lives then (frugal/optim/reshard.h). None when an optimizer holds a tensor that
-  // is not the model's (such a file resumes only as it was written).
-  nlohmann::json layout;
-  try {
-    layout = optimizer_layout(*optimizer_, model_->parameters());
-  } catch (const Error&) {
-  }
-  r.optimizer_layout = layout.is_null() ? layout : nlohmann::json::array({layout});
-  std::vector<std::vector<char>> rank_optimizers;  // a sharded optimizer: every rank's own
-  if (world.distributed() && per_rank_optimizer_) {
-    r.info["optimizer_per_rank"] = true;
-    rank_optimizers = gather_bytes(world, archive::optimizer_bytes(*optimizer_, optimizer_options_.name));
-    const std::string own = layout.dump();
-    r.optimizer_layout = nlohmann::json::array();
-    for (const auto& bytes : gather_bytes(world, std::vector<char>(own.begin(), own.end())))
-      r.optimizer_layout.push_back(nlohmann::json::parse(bytes.begin(), bytes.end()));
-    const nlohmann::json& all = r.optimizer_layout;
-    if (std::any_of(all.begin(), all.end(), [](const nlohmann::json& l) { return l.is_null(); }))
-      r.optimizer_layout = nullptr;
-  }
+  const std::vector<std::vector<char>> rank_optimizers = record_optimizers(world, r);
   if (!world.is_main()) {  // rank 0 writes; the others learn whether it did
     if (world.any(false)) throw CheckpointError("rank 0 could not write checkpoint '" + path + "'");
     return;
@@ -165,6 +144,31 @@ void Learner::save_checkpoint(const std::string& path, const nlohmann::json& inf
     throw;
   }
   world.any(false);  // after the rename: every rank knows the file is there
+}
+
+// Which model parameter each saved optimizer's state belongs to (per rank when sharded), in
+// r.optimizer_layout: a resume cut another way (another world size, zero on or off) moves each
+// state where its parameter lives then (frugal/optim/reshard.h). None when an optimizer holds a
+// tensor that is not the model's (such a file resumes only as it was written). A collective with
+// a sharded optimizer: returns every rank's optimizer bytes on rank 0.
+std::vector<std::vector<char>> Learner::record_optimizers(Collective& world, archive::ResumeRecord& r) {
+  nlohmann::json layout;
+  try {
+    layout = optimizer_layout(*optimizer_, model_->parameters());
+  } catch (const Error&) {
+  }
+  r.optimizer_layout = layout.is_null() ? layout : nlohmann::json::array({layout});
+  if (!world.distributed() || !per_rank_optimizer_) return {};
+  r.info["optimizer_per_rank"] = true;
+  auto rank_optimizers = gather_bytes(world, archive::optimizer_bytes(*optimizer_, optimizer_options_.name));
+  const std::string own = layout.dump();
+  r.optimizer_layout = nlohmann::json::array();
+  for (const auto& bytes : gather_bytes(world, std::vector<char>(own.begin(), own.end())))
+    r.optimizer_layout.push_back(nlohmann::json::parse(bytes.begin(), bytes.end()));
+  const nlohmann::json& all = r.optimizer_layout;
+  if (std::any_of(all.begin(), all.end(), [](const nlohmann::json& l) { return l.is_null(); }))
+    r.optimizer_layout = nullptr;
+  return rank_optimizers;
 }
 
 void Learner::write_checkpoint_file(const std::string& path, const archive::ResumeRecord& r,

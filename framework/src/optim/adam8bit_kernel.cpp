@@ -7,32 +7,13 @@
 #include <cmath>
 
 #include "frugal/optim/adam8bit.h"
+#include "optim/cpu_arith.h"
 
 namespace frugal::quant8 {
 namespace {
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define FRUGAL_FMA_TARGET __attribute__((target("avx2,fma")))
-bool cpu_has_fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return has;
-}
-#else
-#define FRUGAL_FMA_TARGET
-bool cpu_has_fma() { return false; }
-#endif
-
-// a * b + c, rounded once where LibTorch's vectorized kernels use fmadd (see fused.cpp).
-template <bool kFma>
-inline float madd(float a, float b, float c) {
-  if constexpr (kFma)
-    return __builtin_fmaf(a, b, c);
-  else
-    return a * b + c;
-}
+using cpu_arith::cpu_has_fma;
+using cpu_arith::madd;
 
 // Adam's update of one element (fused.cpp's adam_span, the table above it), in place.
 template <bool kFma>

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "frugal/base/compat.h"
+#include "optim/cpu_arith.h"
 
 namespace frugal {
 namespace {
@@ -23,42 +24,9 @@ namespace {
 constexpr int64_t kChunk = int64_t{1} << 14;        // elements per task (64 KiB of float32)
 constexpr int64_t kSerialBelow = int64_t{1} << 16;  // fewer elements in all: one thread
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define FRUGAL_FMA_TARGET __attribute__((target("avx2,fma")))
-#define FRUGAL_ALWAYS_INLINE inline __attribute__((always_inline))
-bool cpu_has_fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return has;
-}
-// The non-finite scan's widest clone (an integer maximum: 16 lanes instead of 8).
-#define FRUGAL_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
-bool cpu_has_avx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  }();
-  return has;
-}
-#else
-#define FRUGAL_FMA_TARGET
-#define FRUGAL_AVX512_TARGET
-#define FRUGAL_ALWAYS_INLINE inline
-bool cpu_has_fma() { return false; }
-bool cpu_has_avx512() { return false; }
-#endif
-
-// a * b + c: rounded once where LibTorch's vectorized kernel uses fmadd (kFma: a CPU with FMA,
-// where LibTorch runs its AVX2/AVX-512 kernels), twice otherwise (its default kernels).
-template <bool kFma>
-FRUGAL_ALWAYS_INLINE float madd(float a, float b, float c) {
-  if constexpr (kFma)
-    return __builtin_fmaf(a, b, c);
-  else
-    return a * b + c;
-}
+using cpu_arith::cpu_has_avx512;
+using cpu_arith::cpu_has_fma;
+using cpu_arith::madd;
 
 // ---- Adam and AdamW -------------------------------------------------------------------------
 // LibTorch 1.13 (torch/csrc/api/src/optim/adam.cpp, adamw.cpp), per element:

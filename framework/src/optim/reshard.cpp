@@ -20,18 +20,21 @@ Index index_of(const std::vector<torch::Tensor>& params) {
   return index;
 }
 
-// The saved layout's parameters, flattened; CheckpointError for an index the model lacks.
-std::vector<torch::Tensor> layout_params(const OptimizerLayout& layout,
-                                         const std::vector<torch::Tensor>& params,
-                                         const std::string& where) {
+// CheckpointError for an index the model lacks.
+void check_indices(const std::vector<OptimizerLayout>& saved, size_t n, const std::string& where) {
+  for (const auto& layout : saved)
+    for (const auto& group : layout)
+      for (const int64_t i : group)
+        if (i < 0 || i >= static_cast<int64_t>(n))
+          throw CheckpointError(where + ": its optimizer layout names parameter " + std::to_string(i) +
+                                "; this model has " + std::to_string(n));
+}
+
+// The layout's parameters, flattened (its indices checked).
+std::vector<torch::Tensor> layout_params(const OptimizerLayout& layout, const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
   for (const auto& group : layout)
-    for (const int64_t i : group) {
-      if (i < 0 || i >= static_cast<int64_t>(params.size()))
-        throw CheckpointError(where + ": its optimizer layout names parameter " + std::to_string(i) +
-                              "; this model has " + std::to_string(params.size()));
-      out.push_back(params[static_cast<size_t>(i)]);
-    }
+    for (const int64_t i : group) out.push_back(params[static_cast<size_t>(i)]);
   return out;
 }
 
@@ -70,13 +73,20 @@ int64_t reshard_optimizer_state(torch::optim::Optimizer& into, const OptimizerOp
                                 const std::vector<torch::Tensor>& params,
                                 const std::vector<OptimizerLayout>& saved,
                                 const LoadSavedOptimizer& load, const std::string& where) {
-  const Index index = index_of(params);
+  check_indices(saved, params.size(), where);
   std::vector<bool> wanted(params.size(), false), saved_somewhere(params.size(), false);
-  for (const auto& group : optimizer_layout(into, params))
+  const OptimizerLayout mine = optimizer_layout(into, params);
+  for (const auto& group : mine)
     for (const int64_t i : group) wanted[static_cast<size_t>(i)] = true;
+  const auto holds_wanted = [&](const OptimizerLayout& layout) {
+    bool any = false;
+    for (const auto& group : layout)
+      for (const int64_t i : group) any = any || wanted[static_cast<size_t>(i)];
+    return any;
+  };
   for (const auto& layout : saved)
-    for (const auto& p : layout_params(layout, params, where))
-      saved_somewhere[static_cast<size_t>(index.at(p.unsafeGetTensorImpl()))] = true;
+    for (const auto& group : layout)
+      for (const int64_t i : group) saved_somewhere[static_cast<size_t>(i)] = true;
   // A parameter no saved optimizer held would start with fresh moments, silently (LibTorch's
   // own load refuses a group of another size).
   for (size_t i = 0; i < params.size(); ++i)
@@ -87,11 +97,8 @@ int64_t reshard_optimizer_state(torch::optim::Optimizer& into, const OptimizerOp
                             "was written with");
   std::unordered_map<int64_t, std::unique_ptr<torch::optim::OptimizerParamState>> found;
   for (size_t k = 0; k < saved.size(); ++k) {
-    const std::vector<torch::Tensor> ps = layout_params(saved[k], params, where);
-    const bool holds_wanted = std::any_of(ps.begin(), ps.end(), [&](const torch::Tensor& p) {
-      return wanted[static_cast<size_t>(index.at(p.unsafeGetTensorImpl()))];
-    });
-    if (!holds_wanted) continue;
+    if (!holds_wanted(saved[k])) continue;
+    const std::vector<torch::Tensor> ps = layout_params(saved[k], params);
     std::unique_ptr<torch::optim::Optimizer> from = make_optimizer(o, ps);
     check_grouping(*from, saved[k], params, where);
     load(k, *from);
@@ -103,12 +110,11 @@ int64_t reshard_optimizer_state(torch::optim::Optimizer& into, const OptimizerOp
       }
   }
   int64_t moved = 0;
-  for (const auto& group : into.param_groups())
-    for (const auto& p : group.params()) {
-      const int64_t i = index.at(p.unsafeGetTensorImpl());
+  for (const auto& group : mine)
+    for (const int64_t i : group) {
       auto it = found.find(i);
       if (it == found.end()) continue;
-      into.state()[compat::optimizer_state_key(p)] = std::move(it->second);
+      into.state()[compat::optimizer_state_key(params[static_cast<size_t>(i)])] = std::move(it->second);
       ++moved;
     }
   return moved;

@@ -353,6 +353,7 @@ class Learner {
                              const RngState& rng, const std::vector<torch::Tensor>& rank_rngs,
                              const std::vector<std::vector<char>>& rank_optimizers);
   void load_optimizer_state(PendingResume& r);
+  std::vector<std::vector<char>> record_optimizers(Collective& world, archive::ResumeRecord& r);
 
   torch::nn::Sequential model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
