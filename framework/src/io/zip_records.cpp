@@ -93,11 +93,14 @@ bool is_annotation(const std::string& line) {
     return false;
   return is_type(line.substr(at + 4));
 }
-/// `  name : Type`
+/// `  name : Type`, the name no `__dunder__`: LibTorch 1.13's importer reads `__parameters__`,
+/// `__buffers__` and the hook lists as `= [...]` and dereferences the missing list of
+/// `__buffers__ : Tensor` (SEGV; the CI's fuzz_checkpoint found it behind a forged seal).
 bool is_attribute(const std::string& line) {
   if (!starts(line, "  ")) return false;
   const size_t colon = line.find(" : ");
   if (colon == std::string::npos || colon == 2) return false;
+  if (starts(line, "  __") && colon >= 6 && line.compare(colon - 2, 2, "__") == 0) return false;
   for (size_t i = 2; i < colon; ++i)
     if (!std::isalnum(static_cast<unsigned char>(line[i])) && line[i] != '_') return false;
   return is_type(line.substr(colon + 3));
