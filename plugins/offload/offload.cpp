@@ -224,7 +224,10 @@ void OffloadOptions::visit(frugal::FieldVisitor& v) {
                                    "(they stay in the file and the page cache)"));
 }
 
-Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
+Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {
+  // The meter, the report's optimizer_state and the micro-batch search leave these bytes out.
+  frugal::register_offloaded_deleter(&release);
+}
 
 void Offload::before_fit(frugal::Learner& l) {
   if (!l.device().is_cpu())
@@ -232,6 +235,7 @@ void Offload::before_fit(frugal::Learner& l) {
         "plugins.offload keeps the optimizer state of a CPU run on disk; this run is on " +
         l.device().str() + ", where the state would have to be stepped on the CPU (offload to "
         "pinned host memory, not written): remove [plugins.offload] or run on the CPU");
+  l.set_optimizer_state_offloaded(true);
   moved_ = {};
   unknown_ = 0;
   redirected_for_ = -1;

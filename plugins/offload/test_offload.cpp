@@ -110,6 +110,8 @@ struct TinyFit {
   int64_t step_peak = 0;
   off::StateBytes state;
   off::Moved moved;
+  int64_t resident_state = 0;  ///< optimizer_state_bytes: what is in memory
+  int64_t steady_state = 0;    ///< the report's steady optimizer_state
 };
 
 TinyFit tiny_fit(const std::string& dir, std::ostringstream* log) {
@@ -124,6 +126,8 @@ TinyFit tiny_fit(const std::string& dir, std::ostringstream* log) {
   }
   f.step_peak = l->report()["stages"][0]["phase_peaks"]["step"].get<int64_t>();
   f.state = off::state_bytes(l->optimizer());
+  f.resident_state = optimizer_state_bytes(l->optimizer());
+  f.steady_state = l->report()["stages"][0]["steady"]["optimizer_state"].get<int64_t>();
   if (plugin) f.moved = plugin->moved();
   return f;
 }
@@ -144,6 +148,11 @@ TEST(Offload, AFitWithTheStateOnDiskEqualsOneWithout) {
       << off_fit.step_peak << " vs " << plain.step_peak;
   EXPECT_EQ(files_in(dir.file("state")), 0u);
   EXPECT_NE(log.str().find("in memory-mapped files in " + dir.file("state")), std::string::npos) << log.str();
+  // What is counted as in memory: the state on disk is not (the meter never saw it).
+  EXPECT_EQ(plain.resident_state, plain.state.in_memory);
+  EXPECT_EQ(plain.steady_state, plain.state.in_memory);
+  EXPECT_EQ(off_fit.resident_state, 0);
+  EXPECT_EQ(off_fit.steady_state, 0);
 
   // Saved with its state and loaded into a learner without the plugin: the same moments.
   auto l = make_tiny_learner();
@@ -158,6 +167,57 @@ TEST(Offload, AFitWithTheStateOnDiskEqualsOneWithout) {
     EXPECT_TRUE(off::on_disk(saved[i])) << i;
     EXPECT_TRUE(torch::equal(saved[i], loaded[i])) << i;
   }
+}
+
+/// Whether the learner counts the optimizer state as offloaded, at each stage's start.
+struct OffloadedSeen : Callback {
+  std::string name() const override { return "offloaded_seen"; }
+  void before_stage(Learner& l) override { seen.push_back(l.optimizer_state_offloaded()); }
+  std::vector<bool> seen;
+};
+
+// The micro-batch search (micro_batch = auto) reserves the bytes the first step's state will
+// take, unless the state goes to disk: the plugin says so at each fit's start (and a fit
+// without it does not inherit it), and under budgets that hold the probe but not the state's
+// reserve the search then finds a micro-batch where it found none.
+TEST(Offload, TheMicroBatchSearchReservesNothingForStateOnDisk) {
+  TempDir dir;
+  std::ostringstream log;
+  TinySetup s;
+  s.width = 512;  // Adam's state (2 x 140 KB) outweighs a sample's activations (2 KB)
+  auto l = make_tiny_learner(s);
+  auto seen = std::make_shared<OffloadedSeen>();
+  l->add_callback(seen);
+  auto plugin = make_plugin(dir.file("state"), log);
+  l->add_callback(plugin);
+  l->fit(1);
+  l->remove_callback(plugin->name());
+  l->fit(1);
+  EXPECT_EQ(seen->seen, (std::vector<bool>{true, false}));
+
+  auto fresh = make_tiny_learner(s);  // no state yet: the search reserves all of it
+  const int64_t live = MemoryMeter::get().current();
+  const auto search = [&](bool offloaded) -> int64_t {
+    fresh->set_optimizer_state_offloaded(offloaded);
+    try {
+      return fresh->find_micro_batch();
+    } catch (const OomError&) {
+      return 0;  // nothing fits
+    } catch (const c10::Error&) {
+      return 0;  // not even the batch (the allocator's refusal)
+    }
+  };
+  int64_t more = 0, reserved = 0;
+  // Up the budget in steps of 64 KiB (the state's reserve is 280 KB) until the whole batch fits.
+  for (int64_t extra = 0; extra <= (8 << 20) && reserved < s.batch_size; extra += 64 << 10) {
+    ScopedMemoryBudget budget(live + extra);
+    reserved = search(false);
+    const int64_t not_reserved = search(true);
+    EXPECT_GE(not_reserved, reserved) << extra;
+    if (not_reserved > reserved) ++more;
+  }
+  EXPECT_EQ(reserved, s.batch_size);
+  EXPECT_GT(more, 0) << "no budget where the state's reserve made the difference";
 }
 
 /// Removes the offload folder before the first step: the step's first state file cannot be made.

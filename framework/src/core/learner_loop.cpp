@@ -138,6 +138,7 @@ size_t Learner::start_fit(const std::vector<Stage>& stages) {
 }
 
 void Learner::run_stages(size_t first_stage) {
+  state_offloaded_ = false;  // a callback that offloads says so again
   fire(Event::BeforeFit);
   if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
   for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {
@@ -444,7 +445,8 @@ int64_t Learner::find_micro_batch() {
   const bool was_training = training_;
   training_ = true;
   model_->train();
-  const StepNeeds needs = optimizer_step_needs(*model_, *optimizer_, optimizer_options_);
+  StepNeeds needs = optimizer_step_needs(*model_, *optimizer_, optimizer_options_);
+  if (state_offloaded_) needs.state = 0;  // made on disk, not in the budget
   // From the batch's own split (or the whole batch) down.
   const int64_t start = micro_.size() > 0 ? std::min(micro_.size(), n) : n;
   ProbeSearch found;

@@ -1,6 +1,8 @@
 #include "frugal/memory/memory.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <iomanip>
 #include <mutex>
@@ -68,6 +70,37 @@ int64_t parameter_bytes(const torch::nn::Module& m) {
   for (const auto& p : m.parameters()) total += static_cast<int64_t>(p.nbytes());
   for (const auto& b : m.buffers()) total += static_cast<int64_t>(b.nbytes());
   return total;
+}
+
+namespace {
+constexpr size_t kOffloadedDeleters = 8;
+std::array<std::atomic<c10::DeleterFnPtr>, kOffloadedDeleters>& offloaded_deleters() {
+  static std::array<std::atomic<c10::DeleterFnPtr>, kOffloadedDeleters> d{};
+  return d;
+}
+}  // namespace
+
+void register_offloaded_deleter(c10::DeleterFnPtr deleter) {
+  if (!deleter) throw UsageError("register_offloaded_deleter: a null deleter");
+  for (auto& slot : offloaded_deleters()) {
+    c10::DeleterFnPtr seen = nullptr;
+    // Filled in order, never emptied: resident() stops at the first empty slot.
+    if (slot.compare_exchange_strong(seen, deleter) || seen == deleter) return;
+  }
+  throw UsageError("register_offloaded_deleter: at most " + std::to_string(kOffloadedDeleters) +
+                   " deleters");
+}
+
+bool resident(const torch::Tensor& t) {
+  if (!t.defined()) return false;
+  if (!t.has_storage()) return true;
+  const c10::DeleterFnPtr mine = t.storage().data_ptr().get_deleter();
+  for (const auto& slot : offloaded_deleters()) {
+    const c10::DeleterFnPtr d = slot.load(std::memory_order_acquire);
+    if (!d) break;
+    if (d == mine) return false;
+  }
+  return true;
 }
 
 int64_t gradient_bytes(const torch::nn::Module& m) {

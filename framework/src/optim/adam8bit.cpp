@@ -2,6 +2,7 @@
 // (bitsandbytes' dynamic maps and block size), float32 for parameters under 4096 elements.
 #include "frugal/base/compat.h"
 #include "frugal/optim/adam8bit.h"
+#include "frugal/optim/optimizers.h"
 #include "optim/adam8bit_kernel.h"
 #include "optim/optim_step.h"
 
@@ -149,7 +150,7 @@ int64_t Adam8bitParamState::bytes() const {
   int64_t total = 0;
   for (const Tensor* t : {&exp_avg(), &exp_avg_sq(), &exp_avg_codes(), &exp_avg_absmax(),
                           &exp_avg_sq_codes(), &exp_avg_sq_absmax()})
-    if (t->defined()) total += static_cast<int64_t>(t->nbytes());
+    total += tensor_bytes(*t);  // in memory (offloaded codes are not)
   return total;
 }
 

@@ -12,6 +12,8 @@ inline constexpr const char* kVersion = "0.1.0";
 // tokenizer and token_bytes, MetricSums::bytes (layouts changed). 9: Callback::attach (the
 // vtable changed), Learner::run_info, AdaptableLinear and LinearAdapter, WeightNames.
 // 10: DataParallel's layout (overlap, flags), DataLoader's shard fields, Adam8bitOptions::fused,
-// NonFiniteCheck and StopCallback's layouts.
-inline constexpr int kAbiVersion = 10;
+// NonFiniteCheck and StopCallback's layouts. 11: Learner::set_optimizer_state_offloaded (the
+// Learner's layout changed); resident() and register_offloaded_deleter (tensor_bytes counts
+// only resident bytes).
+inline constexpr int kAbiVersion = 11;
 }  // namespace frugal

@@ -91,6 +91,11 @@ class Learner {
   /// other kind is refused. Default false: the ranks' optimizers are equal; rank 0's is saved.
   void set_per_rank_optimizer_state(bool on) { per_rank_optimizer_ = on; }
   bool per_rank_optimizer_state() const { return per_rank_optimizer_; }
+  /// For optimizer state kept outside memory (the offload plugin's files): the micro-batch
+  /// search (micro_batch = auto) then reserves no bytes for the state the first step makes.
+  /// Set by a callback in before_fit; every fit starts with it false.
+  void set_optimizer_state_offloaded(bool on) { state_offloaded_ = on; }
+  bool optimizer_state_offloaded() const { return state_offloaded_; }
   /// The processes this Learner trains with: SingleProcess until a data-parallel run sets its
   /// World (not owned: it outlives every Learner). Checkpoints, validation, the micro-batch
   /// probe and the in-tree callbacks' shared verdicts go through it.
@@ -361,6 +366,7 @@ class Learner {
   int64_t optimizer_changes_ = 0;
   int64_t announced_changes_ = 0;  // the optimizer_changes_ the callbacks were told of
   bool per_rank_optimizer_ = false;
+  bool state_offloaded_ = false;
   Collective* collective_ = &SingleProcess::get();
   LossFn loss_fn_;
   DataLoader train_;

@@ -42,9 +42,17 @@ void to_json(nlohmann::json& j, const MemoryBreakdown& b);
 /// Bytes of tensor storage reachable from a module's parameters and buffers, and their grads.
 int64_t parameter_bytes(const torch::nn::Module& m);
 int64_t gradient_bytes(const torch::nn::Module& m);
-/// Bytes of the optimizer's state tensors. Declared (and documented) with the optimizer
-/// registry in optimizers.h; repeated here for the meter's users.
+/// Bytes of the optimizer's state tensors in memory (resident). Declared (and documented) with
+/// the optimizer registry in optimizers.h; repeated here for the meter's users.
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
+
+/// Storage whose bytes live outside memory: a plugin that backs tensors by its own means (the
+/// offload plugin's memory-mapped files) registers the deleter of their DataPtrs, once. Such
+/// tensors are not resident: the meter never counted them, and optimizer_state_bytes, the
+/// report's optimizer_state and the micro-batch search leave them out. At most 8 deleters.
+void register_offloaded_deleter(c10::DeleterFnPtr deleter);
+/// Whether `t`'s bytes are in memory: defined, and its storage's deleter not a registered one.
+bool resident(const torch::Tensor& t);
 
 /// What the allocator holds besides the live bytes (MemoryMeter::allocator_stats()).
 struct AllocatorStats {

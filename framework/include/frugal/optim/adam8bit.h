@@ -75,7 +75,7 @@ struct Adam8bitParamState : public torch::optim::OptimizerCloneableParamState<Ad
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
-  /// Bytes of every tensor it holds.
+  /// Bytes of every tensor it holds in memory (tensor_bytes: offloaded ones are not counted).
   int64_t bytes() const;
 };
 

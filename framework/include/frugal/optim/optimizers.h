@@ -38,6 +38,7 @@
 #include <torch/torch.h>
 
 #include "frugal/config/sections.h"
+#include "frugal/memory/memory.h"
 #include "frugal/models/registry.h"
 
 namespace frugal {
@@ -93,8 +94,9 @@ Registry<OptimizerFactory>& optimizers();
 /// the parameters of 2 or more dimensions with o.weight_decay, the others with none.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
                                                         std::vector<torch::Tensor> params);
-/// Bytes of the optimizer's state tensors, measured on the live optimizer by the entry whose
-/// optimizer it is; 0 for an optimizer no entry knows.
+/// Bytes of the optimizer's state tensors in memory, measured on the live optimizer by the
+/// entry whose optimizer it is (tensor_bytes: state offloaded to a file is not counted); 0 for
+/// an optimizer no entry knows.
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 /// True when `o` decays only parameters of 2 or more dimensions (weights of linear,
 /// convolution and embedding layers), not biases or normalization weights: decay = "matrices",
@@ -110,9 +112,10 @@ StepNeeds optimizer_step_needs(const torch::nn::Module& m, const torch::optim::O
 /// Throws ConfigError for an unknown name.
 nlohmann::json describe_optimizer_keys(const std::string& name);
 
-/// Bytes of a tensor's storage; 0 when it is undefined.
+/// Bytes of a tensor's storage in memory; 0 when it is undefined or offloaded (resident(),
+/// memory.h).
 inline int64_t tensor_bytes(const torch::Tensor& t) {
-  return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  return resident(t) ? static_cast<int64_t>(t.nbytes()) : 0;
 }
 
 /// A state_bytes for optimizer class O whose per-parameter state class is S: the sum of
