@@ -241,10 +241,13 @@ TEST(DataParallelCli, GradAccumSyncsOncePerGroupAndAmpComposes) {
 // Buckets of 4 KiB: the MLP's gradients make several, launched from backward's hooks as each
 // completes. With two ranks a sum is the same whichever bucket carries it: the weights must be
 // bitwise those of the all-reduce after backward, with Adam and with activation checkpointing
-// (its recompute runs a backward of its own inside the outer one).
+// (its recompute runs a backward of its own inside the outer one), and with gradients
+// accumulated over two batches (the hooks armed on the group's last backward only).
 TEST(DataParallelCli, TheAllReduceOverlappedWithBackwardGivesBitwiseTheSameWeights) {
   TempDir dir;
-  for (const std::string& extra : {std::string(), std::string("[plugins.checkpoint]\n")}) {
+  for (const std::string& extra :
+       {std::string(), std::string("[plugins.checkpoint]\n"),
+        std::string("[plugins.grad_accum]\nsteps = 2\nmode = \"accumulate\"\n")}) {
     std::map<bool, std::string> out;
     for (const bool overlap : {true, false}) {
       out[overlap] = dir.file("run-" + std::to_string(overlap) + std::to_string(extra.size()));

@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <sstream>
 
 #include "cli_support.h"
 #include "frugal/app/model_export.h"
@@ -430,6 +431,45 @@ TEST(SafetyCli, TwoRanksFailAtTheSameNonFiniteStep) {
   EXPECT_NE(failed.output.find("[rank 1]"), std::string::npos) << failed.output;
   EXPECT_NE(failed.output.find("epoch 1, batch 2"), std::string::npos) << failed.output;
   EXPECT_EQ(nlohmann::json::parse(read_text(nan + "/report.json"))["nonfinite"]["event"]["batch"], 1);
+}
+
+// A non-finite loss on ONE rank: row 13 of a regression table has a target of 3e38, whose
+// squared error is infinite in float. With batches of 8 split 4 + 4, it is in rank 1's half of
+// the second batch only. Rank 0's own loss is finite: the verdict must still reach it (the flags
+// ride on the gradient sync), so that both ranks fail at that batch, or both skip that step and
+// go on in step (a rank that stepped alone would wait in a later collective until the timeout).
+TEST(SafetyCli, ANonFiniteLossOnOneRankStopsOrSkipsTheStepOnBoth) {
+  TempDir dir;
+  std::ostringstream csv;
+  csv << "a,b,y\n";
+  for (int i = 0; i < 32; ++i)
+    csv << 0.1 * (i % 7) << "," << 0.2 * (i % 5) << "," << (i == 13 ? "3e38" : "0.5") << "\n";
+  write_text(dir.file("train.csv"), csv.str());
+  const auto toml = [&](const std::string& out, const std::string& mode) {
+    return "[run]\nthreads = 1\nprogress = \"log\"\nlog_every = 1\nout_dir = \"" + out +
+           "\"\non_nonfinite = \"" + mode + "\"\n[data]\ndataset = \"csv\"\ntask = \"regression\"\n"
+           "path = \"" + dir.file("train.csv") + "\"\nvalid_samples = -1\nbatch_size = 8\nshuffle = false\n"
+           "[model]\narch = \"mlp\"\nwidth = 8\ndepth = 1\n[optimizer]\nname = \"sgd\"\nlr = 0.01\n"
+           "[loss]\nname = \"mse\"\n[[stages]]\nname = \"only\"\nepochs = 2\n";
+  };
+  const std::string failed = dir.file("fail"), skipped = dir.file("skip");
+  write_text(failed + ".toml", toml(failed, "fail"));
+  const CliResult f = run_cli("train " + failed + ".toml --nproc 2");
+  EXPECT_NE(f.exit_code, 0) << f.output;
+  EXPECT_NE(f.output.find("non-finite loss (inf) in stage 'only' (1), epoch 1, batch 2"), std::string::npos)
+      << f.output;
+  EXPECT_NE(f.output.find("on another rank"), std::string::npos) << "rank 0's own loss was finite\n"
+                                                                 << f.output;
+  EXPECT_EQ(nlohmann::json::parse(read_text(failed + "/report.json"))["nonfinite"]["event"]["batch"], 1);
+
+  write_text(skipped + ".toml", toml(skipped, "skip"));
+  const CliResult k = run_cli("train " + skipped + ".toml --nproc 2");
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  const nlohmann::json r = nlohmann::json::parse(read_text(skipped + "/report.json"));
+  EXPECT_EQ(r["nonfinite"]["skipped_steps"].get<int64_t>(), 2) << "batch 2 of each epoch, on both ranks";
+  EXPECT_EQ(r["fit"]["optimizer_steps"].get<int64_t>(), 6) << r["fit"].dump();
+  for (const auto& [name, t] : safetensors::read(skipped + "/model.safetensors"))
+    EXPECT_TRUE(torch::isfinite(t).all().item<bool>()) << name;
 }
 
 }  // namespace
