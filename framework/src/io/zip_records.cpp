@@ -170,10 +170,24 @@ bool contents(const ReadAt& read, const Record& r, std::vector<unsigned char>& o
   return rc == Z_STREAM_END && got == r.size;
 }
 
+bool same_checksum(uint32_t a, uint32_t b) {
+  volatile uint32_t differ = a ^ b;  // volatile: not folded back into a == b (a traced comparison)
+  return differ == 0;
+}
+
+bool same_bytes(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  volatile unsigned differ = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    differ = differ | (static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]));
+  return differ == 0;
+}
+
 bool intact(const ReadAt& read, const Record& r, uint64_t limit) {
   std::vector<unsigned char> bytes;
   if (!contents(read, r, bytes, limit)) return false;
-  return crc32(crc32(0L, Z_NULL, 0), bytes.data(), static_cast<uInt>(bytes.size())) == r.crc;
+  return same_checksum(static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0), bytes.data(), static_cast<uInt>(bytes.size()))),
+                       r.crc);
 }
 
 bool find_end(const ReadAt& read, uint64_t file_size, uint64_t& offset, uint16_t& comment) {
