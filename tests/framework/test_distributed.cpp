@@ -268,6 +268,11 @@ TEST(DataParallelCli, TheAllReduceOverlappedWithBackwardGivesBitwiseTheSameWeigh
     EXPECT_EQ(off["overlap"]["buckets_in_backward_per_step"].get<double>(), 0) << off.dump();
     EXPECT_EQ(off["overlap"]["why_off"], "distributed.overlap = false") << off.dump();
     EXPECT_EQ(on["gradient_syncs"], off["gradient_syncs"]);
+    // micro_batch = "auto" keeps the largest bucket's copy free: a 4 KiB bucket closes past 4 KiB.
+    for (const auto* d : {&on, &off}) {
+      EXPECT_GT((*d)["sync_reserve_bytes"].get<int64_t>(), 4096) << d->dump();
+      EXPECT_LT((*d)["sync_reserve_bytes"].get<int64_t>(), 64 << 10) << d->dump();
+    }
   }
   // A backward retried on one rank would put its launched buckets on the wire twice.
   // Validation of 101 samples in batches of 50: the last batch of 1 is scored by rank 1 alone

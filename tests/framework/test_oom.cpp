@@ -414,6 +414,37 @@ TEST(OomAuto, FindsTheLargestMicroBatchThatFitsAndLeavesTheRunUnchanged) {
   }
 }
 
+// The bytes a gradient sync adds at the end of backward (Learner::set_sync_reserve; data_parallel
+// sets its largest bucket's copy) are kept free by the search: under budgets between the two it
+// finds a smaller micro-batch with the reserve than without, never a larger one.
+TEST(OomAuto, TheSearchKeepsTheSyncReserveFree) {
+  TinySetup s = exact_setup(64, 32, 0.1);
+  s.width = 256;
+  auto l = make_tiny_learner(s);
+  const int64_t live = MemoryMeter::get().current(), reserve = 256 << 10;
+  const auto search = [&](int64_t kept) -> int64_t {
+    l->set_sync_reserve(kept);
+    try {
+      return l->find_micro_batch();
+    } catch (const OomError&) {
+      return 0;
+    } catch (const c10::Error&) {  // not even the batch
+      return 0;
+    }
+  };
+  int64_t smaller = 0, without = 0;
+  for (int64_t extra = 0; extra <= (8 << 20) && without < s.batch_size; extra += 64 << 10) {
+    ScopedMemoryBudget budget(live + extra);
+    without = search(0);
+    const int64_t with = search(reserve);
+    EXPECT_LE(with, without) << extra;
+    if (with < without) ++smaller;
+  }
+  EXPECT_EQ(without, s.batch_size);
+  EXPECT_GT(smaller, 0) << "no budget where the reserve made the difference";
+  l->set_sync_reserve(0);
+}
+
 TEST(OomAuto, ProbeRestoresBatchNormStatistics) {
   TinySetup s = exact_setup(64, 32, 0.1);
   s.arch = "cnn";

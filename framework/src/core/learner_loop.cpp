@@ -139,6 +139,7 @@ size_t Learner::start_fit(const std::vector<Stage>& stages) {
 
 void Learner::run_stages(size_t first_stage) {
   state_offloaded_ = false;  // a callback that offloads says so again
+  sync_reserve_ = 0;         // a gradient sync says so in before_stage
   fire(Event::BeforeFit);
   if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
   for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {
@@ -452,7 +453,12 @@ int64_t Learner::find_micro_batch() {
   ProbeSearch found;
   try {
     found = largest_fitting(
-        start, [&](int64_t m) { return probe_fits(probe_micro_batch(b, m), needs, budget); });
+        start, [&](int64_t m) {
+          ProbeResult r = probe_micro_batch(b, m);
+          r.peak += sync_reserve_;  // the probe's backward syncs nothing
+          r.after_backward += sync_reserve_;
+          return probe_fits(r, needs, budget);
+        });
   } catch (...) {
     state.restore(*model_);
     training_ = was_training;
@@ -465,8 +471,9 @@ int64_t Learner::find_micro_batch() {
   found.size = collective().min(found.size);
   if (found.size == 0) throw oom_in_probe(budget, memory().current(), needs.state, iteration_);
   micro_.set_cap(found.size < start ? found.size : 0);
-  spdlog::info("micro_batch = auto: {} of {} samples fit run.memory_budget = {} ({} probes)",
-               found.size, n, format_bytes(budget), found.probes);
+  spdlog::info("micro_batch = auto: {} of {} samples fit run.memory_budget = {} ({} probes{})",
+               found.size, n, format_bytes(budget), found.probes,
+               sync_reserve_ > 0 ? ", " + format_bytes(sync_reserve_) + " kept for the gradient sync" : "");
   return found.size;
 }
 

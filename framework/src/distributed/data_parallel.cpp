@@ -30,6 +30,8 @@ bool same_kind(const torch::Tensor& a, const torch::Tensor& b) {
 
 /// DDP's first bucket: it closes once it holds this much, so the first all-reduce starts early.
 constexpr int64_t kFirstBucketBytes = 1 << 20;
+/// An allowance for the flags the last bucket carries (a few numbers; an allocation is 512).
+constexpr int64_t kFlagBytes = 512;
 
 }  // namespace
 
@@ -61,6 +63,16 @@ class GradientBuckets {
   }
 
   size_t size() const { return buckets_.size(); }
+
+  /// The largest flat copy a launch makes (a bucket of several gradients, or the last one, which
+  /// carries the flags): live beside the gradients it copies until they are freed.
+  int64_t largest_copy() const {
+    int64_t most = 0;
+    for (size_t i = 0; i < buckets_.size(); ++i)
+      if (buckets_[i].params.size() > 1 || i + 1 == buckets_.size())
+        most = std::max(most, buckets_[i].bytes + kFlagBytes);
+    return most;
+  }
 
   /// A new backward that completes a step: nothing complete, nothing launched.
   void arm() {
@@ -250,6 +262,9 @@ void DataParallel::before_stage(Learner& l) {
     hooks_.install(l.model()->parameters(), [this](const torch::Tensor& p) {
       in_backward_ += buckets_of_stage_->ready(p);
     });
+  // What micro_batch = "auto" keeps free for the sync (another callback's sync keeps its own).
+  sync_reserve_ = l.collective().distributed() && sync_taken_by_.empty() ? buckets_of_stage_->largest_copy() : 0;
+  l.set_sync_reserve(sync_reserve_);
   if (overlap_off_ != was || l.stage_index() == 0)
     spdlog::debug("data_parallel: {} gradient bucket(s); all-reduce {}", buckets_of_stage_->size(),
                   overlap_off_.empty() ? "overlapped with backward" : "after backward (" + overlap_off_ + ")");

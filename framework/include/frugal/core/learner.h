@@ -96,6 +96,12 @@ class Learner {
   /// Set by a callback in before_fit; every fit starts with it false.
   void set_optimizer_state_offloaded(bool on) { state_offloaded_ = on; }
   bool optimizer_state_offloaded() const { return state_offloaded_; }
+  /// Bytes the gradient sync adds for a moment at the end of backward (data_parallel's flat
+  /// copy of its largest bucket, made while backward still holds the activations when the
+  /// all-reduce overlaps it), which the micro-batch probe does not run: find_micro_batch keeps
+  /// them free. Set by a callback in before_stage; every fit starts with 0.
+  void set_sync_reserve(int64_t bytes) { sync_reserve_ = bytes; }
+  int64_t sync_reserve() const { return sync_reserve_; }
   /// The processes this Learner trains with: SingleProcess until a data-parallel run sets its
   /// World (not owned: it outlives every Learner). Checkpoints, validation, the micro-batch
   /// probe and the in-tree callbacks' shared verdicts go through it.
@@ -367,6 +373,7 @@ class Learner {
   int64_t announced_changes_ = 0;  // the optimizer_changes_ the callbacks were told of
   bool per_rank_optimizer_ = false;
   bool state_offloaded_ = false;
+  int64_t sync_reserve_ = 0;
   Collective* collective_ = &SingleProcess::get();
   LossFn loss_fn_;
   DataLoader train_;
