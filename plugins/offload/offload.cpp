@@ -283,6 +283,8 @@ void Offload::before_step(frugal::Learner& l) {
 
 void Offload::after_step(frugal::Learner&) { end_redirect(); }
 
+void Offload::before_stage(frugal::Learner&) { redirected_for_ = -1; }
+
 void Offload::after_batch(frugal::Learner& l) {
   end_redirect();  // also when the step failed
   // New state comes with a step or another optimizer (a resume's loads before its first step):

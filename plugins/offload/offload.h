@@ -82,6 +82,9 @@ class Offload : public frugal::Callback {
   /// own, not the allocator's memory, so even that step's peak does not hold the state.
   void before_step(frugal::Learner& l) override;
   void after_step(frugal::Learner& l) override;
+  /// A stage may unfreeze parameters whose state its first step makes: that step is redirected
+  /// too (the micro-batch search reserved nothing for it: Learner::optimizer_state_offloaded).
+  void before_stage(frugal::Learner& l) override;
   /// At the end of every batch (a step may have run in it, also one step_in_backward took
   /// inside backward): moves the state created or loaded since to disk; drops the pages.
   void after_batch(frugal::Learner& l) override;

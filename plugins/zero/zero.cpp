@@ -223,6 +223,17 @@ void Zero::optimizer_replaced(frugal::Learner& l) {
   if (active() && l.optimizer_changes() != changes_) shard_optimizer(l);  // not its own shard
 }
 
+void Zero::before_stage(frugal::Learner& l) {
+  if (!active() || o_.stage != 2) return;
+  const auto params = l.model()->parameters();
+  int64_t owned = 0, largest = 0;
+  for (const Bucket& b : owner_buckets(params, owners_, trainable(params), bucket_bytes_, true)) {
+    if (b.owner == World::get().rank()) owned += b.bytes;
+    largest = std::max(largest, b.bytes);
+  }
+  l.set_sync_reserve(owned + largest);
+}
+
 void Zero::after_backward(frugal::Learner& l) {
   if (!active() || o_.stage != 2) return;
   if (!l.completes_step()) return;

@@ -75,6 +75,10 @@ class Zero : public frugal::Callback {
   /// A new optimizer (a stage's own, optim_swap, a resume's) is sharded again, keeping the
   /// state it already holds for this rank's parameters.
   void optimizer_replaced(frugal::Learner& l) override;
+  /// Stage 2: what micro_batch = "auto" keeps free for the reduce (Learner::set_sync_reserve):
+  /// this rank's own gradient buckets, copied and in flight beside the gradients, and one
+  /// bucket's copy of another rank's.
+  void before_stage(frugal::Learner& l) override;
   /// Stage 2, on the step's last micro-batch: each bucket reduced to its owner.
   void after_backward(frugal::Learner& l) override;
   /// Notes the gradient bytes the step starts with.

@@ -455,8 +455,9 @@ int64_t Learner::find_micro_batch() {
     found = largest_fitting(
         start, [&](int64_t m) {
           ProbeResult r = probe_micro_batch(b, m);
-          r.peak += sync_reserve_;  // the probe's backward syncs nothing
-          r.after_backward += sync_reserve_;
+          // The probe's backward syncs nothing. The copy is live during backward (overlap) or
+          // right after it, before the step's state and temporaries exist: on the peak only.
+          r.peak = std::max(r.peak, r.after_backward) + sync_reserve_;
           return probe_fits(r, needs, budget);
         });
   } catch (...) {

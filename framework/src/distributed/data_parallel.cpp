@@ -262,9 +262,13 @@ void DataParallel::before_stage(Learner& l) {
     hooks_.install(l.model()->parameters(), [this](const torch::Tensor& p) {
       in_backward_ += buckets_of_stage_->ready(p);
     });
-  // What micro_batch = "auto" keeps free for the sync (another callback's sync keeps its own).
-  sync_reserve_ = l.collective().distributed() && sync_taken_by_.empty() ? buckets_of_stage_->largest_copy() : 0;
-  l.set_sync_reserve(sync_reserve_);
+  // What micro_batch = "auto" keeps free for the sync; a callback that took the sync over sets
+  // its own (zero, a higher order, after this).
+  sync_reserve_ = 0;
+  if (l.collective().distributed() && sync_taken_by_.empty()) {
+    sync_reserve_ = buckets_of_stage_->largest_copy();
+    l.set_sync_reserve(sync_reserve_);
+  }
   if (overlap_off_ != was || l.stage_index() == 0)
     spdlog::debug("data_parallel: {} gradient bucket(s); all-reduce {}", buckets_of_stage_->size(),
                   overlap_off_.empty() ? "overlapped with backward" : "after backward (" + overlap_off_ + ")");

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "memory/counting_offloaded.h"
 #include "memory/cpu_allocator.h"
 
 #include "frugal/base/compat.h"
@@ -91,9 +92,18 @@ void register_offloaded_deleter(c10::DeleterFnPtr deleter) {
                    " deleters");
 }
 
+namespace {
+thread_local bool tl_count_offloaded = false;
+}
+
+namespace detail {
+CountingOffloaded::CountingOffloaded() : previous_(tl_count_offloaded) { tl_count_offloaded = true; }
+CountingOffloaded::~CountingOffloaded() { tl_count_offloaded = previous_; }
+}  // namespace detail
+
 bool resident(const torch::Tensor& t) {
   if (!t.defined()) return false;
-  if (!t.has_storage()) return true;
+  if (!t.has_storage() || tl_count_offloaded) return true;
   const c10::DeleterFnPtr mine = t.storage().data_ptr().get_deleter();
   for (const auto& slot : offloaded_deleters()) {
     const c10::DeleterFnPtr d = slot.load(std::memory_order_acquire);

@@ -16,6 +16,7 @@
 #include "frugal/optim/adafactor.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/fused.h"
+#include "memory/counting_offloaded.h"
 
 namespace frugal {
 namespace {
@@ -537,7 +538,12 @@ StepNeeds optimizer_step_needs(const torch::nn::Module& m, const torch::optim::O
   StepNeeds full = default_step_needs(o, p);
   if (optimizers().contains(o.name))
     if (const auto needs = optimizers().get(o.name).make.step_needs) full = needs(o, p);
-  return {std::max<int64_t>(0, full.state - optimizer_state_bytes(opt)), full.temporaries};
+  int64_t made = 0;  // the state that exists, offloaded or not: no new bytes for it
+  {
+    const detail::CountingOffloaded anywhere;
+    made = optimizer_state_bytes(opt);
+  }
+  return {std::max<int64_t>(0, full.state - made), full.temporaries};
 }
 
 nlohmann::json describe_optimizer_keys(const std::string& name) {

@@ -103,7 +103,8 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 /// or "auto" for an optimizer with decoupled decay; false without weight decay.
 bool decay_matrices_only(const OptimizerOptions& o);
 /// What the next step of `opt` over the trainable parameters of `m` still needs: the state its
-/// entry says it will hold, less the state it holds now, and the step's temporaries. From
+/// entry says it will hold, less the state it holds now (in memory or offloaded), and the
+/// step's temporaries. From
 /// LibTorch's optimizer implementations; an estimate for an optimizer without step_needs.
 StepNeeds optimizer_step_needs(const torch::nn::Module& m, const torch::optim::Optimizer& opt,
                                const OptimizerOptions& o);
