@@ -112,4 +112,16 @@ inline torch::nn::Sequential make_zoo_model(const std::string& arch, int64_t dep
   return make_model(mo, in);
 }
 
+/// Learner::find_micro_batch under the meter's budget, or 0 when nothing fits (its OomError) or
+/// not even the batch can be made (the allocator's refusal, a c10::Error).
+inline int64_t micro_batch_that_fits(Learner& l) {
+  try {
+    return l.find_micro_batch();
+  } catch (const OomError&) {
+    return 0;
+  } catch (const c10::Error&) {
+    return 0;
+  }
+}
+
 }  // namespace frugal::test

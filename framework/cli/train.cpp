@@ -328,7 +328,7 @@ nlohmann::json rank_summary(Learner& learner) {
       out["gradient_syncs"] = dp->syncs();
       out["allreduce_bytes_per_step"] = dp->bytes_reduced() / dp->syncs();
       out["buckets_per_step"] = static_cast<double>(dp->buckets()) / static_cast<double>(dp->syncs());
-      out["sync_reserve_bytes"] = dp->sync_reserve();
+      out["sync_reserve_bytes"] = learner.sync_reserve();  // what micro_batch = "auto" kept free
       out["overlap"] = {{"on", dp->overlaps()},
                         {"buckets_in_backward_per_step",
                          static_cast<double>(dp->buckets_in_backward()) / static_cast<double>(dp->syncs())}};

@@ -57,6 +57,14 @@ Segment::~Segment() {
 // A tensor's DataPtr context: a reference to its segment.
 void release(void* ctx) { delete static_cast<std::shared_ptr<Segment>*>(ctx); }
 
+// A DataPtr onto bytes of `seg`, holding it. Its deleter tells the meter the bytes are on disk
+// (frugal::resident, on_disk below): registered before the first such pointer exists.
+c10::DataPtr segment_ptr(char* p, const std::shared_ptr<Segment>& seg) {
+  static const bool registered = (frugal::register_offloaded_deleter(&release), true);
+  (void)registered;
+  return {p, new std::shared_ptr<Segment>(seg), &release, c10::Device(c10::kCPU)};
+}
+
 constexpr size_t kAlign = 64;
 size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -103,7 +111,7 @@ class RedirectingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) FRUGAL_ALLOCATE_CONST override {
     if (!tl_redirect_dir || n == 0) return next_.load()->allocate(n);
     const std::shared_ptr<Segment> seg = make_segment(*tl_redirect_dir, aligned(n), /*scratch=*/true);
-    return {seg->base, new std::shared_ptr<Segment>(seg), &release, c10::Device(c10::kCPU)};
+    return segment_ptr(seg->base, seg);
   }
   // raw_allocate needs data == context, which a segment's pointer is not: no raw deleter.
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -165,8 +173,7 @@ Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir)
     const size_t n = t.numel() * t.element_size();
     char* p = seg->base + at;
     torch::from_blob(p, t.sizes(), t.options()).copy_(t);
-    c10::Storage storage(c10::Storage::use_byte_size_t(), n,
-                         c10::DataPtr(p, new std::shared_ptr<Segment>(seg), &release, c10::Device(c10::kCPU)),
+    c10::Storage storage(c10::Storage::use_byte_size_t(), n, segment_ptr(p, seg),
                          /*allocator=*/nullptr, /*resizable=*/false);
     t.set_(storage, 0, t.sizes());  // the same tensor (the optimizer's handle) on the file's bytes
     at += aligned(n);
@@ -177,21 +184,21 @@ Moved move_to_disk(const std::vector<torch::Tensor>& ts, const std::string& dir)
 }
 
 namespace {
-// Where t's bytes are: 0 in no segment, 1 in a segment, 2 in a scratch segment.
-int placement(const torch::Tensor& t) {
-  if (!t.defined() || !t.has_storage() || !t.storage().data()) return 0;
+// Whether t's bytes are in a packed segment (not a scratch one the first step made).
+bool in_packed_segment(const torch::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.storage().data()) return false;
   const auto p = reinterpret_cast<uintptr_t>(t.storage().data());
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto it = registry().upper_bound(p);
-  if (it == registry().begin()) return 0;
+  if (it == registry().begin()) return false;
   --it;
-  if (p >= it->first + it->second->bytes) return 0;
-  return it->second->scratch ? 2 : 1;
+  return p < it->first + it->second->bytes && !it->second->scratch;
 }
 }  // namespace
 
-bool on_disk(const torch::Tensor& t) { return placement(t) != 0; }
-bool packed_on_disk(const torch::Tensor& t) { return placement(t) == 1; }
+// Every segment's DataPtr has our deleter (registered with the meter in the constructor).
+bool on_disk(const torch::Tensor& t) { return t.defined() && !frugal::resident(t); }
+bool packed_on_disk(const torch::Tensor& t) { return in_packed_segment(t); }
 
 int64_t disk_bytes() {
   std::lock_guard<std::mutex> lock(registry_mutex());
@@ -224,10 +231,7 @@ void OffloadOptions::visit(frugal::FieldVisitor& v) {
                                    "(they stay in the file and the page cache)"));
 }
 
-Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {
-  // The meter, the report's optimizer_state and the micro-batch search leave these bytes out.
-  frugal::register_offloaded_deleter(&release);
-}
+Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
 
 void Offload::before_fit(frugal::Learner& l) {
   if (!l.device().is_cpu())

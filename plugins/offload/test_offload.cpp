@@ -201,15 +201,9 @@ TEST(Offload, TheMicroBatchSearchReservesNothingForStateOnDisk) {
 
   auto fresh = make_tiny_learner(s);  // no state yet: the search reserves all of it
   const int64_t live = MemoryMeter::get().current();
-  const auto search = [&](bool offloaded) -> int64_t {
+  const auto search = [&](bool offloaded) {
     fresh->set_optimizer_state_offloaded(offloaded);
-    try {
-      return fresh->find_micro_batch();
-    } catch (const OomError&) {
-      return 0;  // nothing fits
-    } catch (const c10::Error&) {
-      return 0;  // not even the batch (the allocator's refusal)
-    }
+    return micro_batch_that_fits(*fresh);
   };
   int64_t more = 0, reserved = 0;
   // Up the budget in steps of 64 KiB (the state's reserve is 280 KB) until the whole batch fits.

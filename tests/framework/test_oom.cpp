@@ -422,15 +422,9 @@ TEST(OomAuto, TheSearchKeepsTheSyncReserveFree) {
   s.width = 256;
   auto l = make_tiny_learner(s);
   const int64_t live = MemoryMeter::get().current(), reserve = 256 << 10;
-  const auto search = [&](int64_t kept) -> int64_t {
+  const auto search = [&](int64_t kept) {
     l->set_sync_reserve(kept);
-    try {
-      return l->find_micro_batch();
-    } catch (const OomError&) {
-      return 0;
-    } catch (const c10::Error&) {  // not even the batch
-      return 0;
-    }
+    return micro_batch_that_fits(*l);
   };
   int64_t smaller = 0, without = 0;
   for (int64_t extra = 0; extra <= (8 << 20) && without < s.batch_size; extra += 64 << 10) {

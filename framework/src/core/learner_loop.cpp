@@ -456,8 +456,8 @@ int64_t Learner::find_micro_batch() {
         start, [&](int64_t m) {
           ProbeResult r = probe_micro_batch(b, m);
           // The probe's backward syncs nothing. The copy is live during backward (overlap) or
-          // right after it, before the step's state and temporaries exist: on the peak only.
-          r.peak = std::max(r.peak, r.after_backward) + sync_reserve_;
+          // right after it (the peak covers both), before the step's state and temporaries.
+          r.peak += sync_reserve_;
           return probe_fits(r, needs, budget);
         });
   } catch (...) {

@@ -264,11 +264,8 @@ void DataParallel::before_stage(Learner& l) {
     });
   // What micro_batch = "auto" keeps free for the sync; a callback that took the sync over sets
   // its own (zero, a higher order, after this).
-  sync_reserve_ = 0;
-  if (l.collective().distributed() && sync_taken_by_.empty()) {
-    sync_reserve_ = buckets_of_stage_->largest_copy();
-    l.set_sync_reserve(sync_reserve_);
-  }
+  if (l.collective().distributed() && sync_taken_by_.empty())
+    l.set_sync_reserve(buckets_of_stage_->largest_copy());
   if (overlap_off_ != was || l.stage_index() == 0)
     spdlog::debug("data_parallel: {} gradient bucket(s); all-reduce {}", buckets_of_stage_->size(),
                   overlap_off_.empty() ? "overlapped with backward" : "after backward (" + overlap_off_ + ")");

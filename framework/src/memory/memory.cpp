@@ -79,6 +79,7 @@ std::array<std::atomic<c10::DeleterFnPtr>, kOffloadedDeleters>& offloaded_delete
   static std::array<std::atomic<c10::DeleterFnPtr>, kOffloadedDeleters> d{};
   return d;
 }
+thread_local bool tl_count_offloaded = false;  // detail::CountingOffloaded
 }  // namespace
 
 void register_offloaded_deleter(c10::DeleterFnPtr deleter) {
@@ -90,10 +91,6 @@ void register_offloaded_deleter(c10::DeleterFnPtr deleter) {
   }
   throw UsageError("register_offloaded_deleter: at most " + std::to_string(kOffloadedDeleters) +
                    " deleters");
-}
-
-namespace {
-thread_local bool tl_count_offloaded = false;
 }
 
 namespace detail {

@@ -74,9 +74,6 @@ class DataParallel : public Callback {
   /// Whether the all-reduce overlaps backward in this fit, and if not, why ("" when it does).
   bool overlaps() const { return overlap_off_.empty(); }
   const std::string& overlap_off_reason() const { return overlap_off_; }
-  /// The bytes this stage's sync adds at the end of backward (Learner::set_sync_reserve): the
-  /// largest bucket's flat copy; 0 in one process or when another callback syncs.
-  int64_t sync_reserve() const { return sync_reserve_; }
 
   /// The lever for a callback that synchronises gradients its own way: from now on
   /// after_backward leaves the gradients as this rank's backward made them, and the callback
@@ -105,7 +102,7 @@ class DataParallel : public Callback {
   bool synced_batch_ = false;
   std::unique_ptr<GradientBuckets> buckets_of_stage_;
   GradReadyHooks hooks_;
-  int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0, in_backward_ = 0, sync_reserve_ = 0;
+  int64_t syncs_ = 0, bytes_ = 0, buckets_ = 0, in_backward_ = 0;
 };
 
 /// What one average_gradients call sent: its buckets and their gradient bytes.
