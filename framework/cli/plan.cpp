@@ -101,7 +101,10 @@ double spread_of(const ChildResult& r, int64_t steady) {
 /// 1/N of the optimizer state S for the whole run, so the fixed part falls by S (1 - 1/N).
 /// Stage 2's gradients are 1/N only from the end of the backward (they are reduced after it),
 /// past the backward's peak, so the formula leaves them out; activations and the step time are
-/// the baseline's (the sync's extra time is not predicted).
+/// the baseline's (the sync's extra time is not predicted). Stage 3 also keeps 1/N of the
+/// parameters P between uses: the fixed part falls by (S + P) (1 - 1/N); the gathered units
+/// and the gradients freed during the backward are left out (the measured check says how far
+/// that is).
 constexpr const char* kFormulaTechniques[] = {"zero"};
 
 bool by_formula(const std::string& technique) {
@@ -109,9 +112,16 @@ bool by_formula(const std::string& technique) {
          std::end(kFormulaTechniques);
 }
 
-int64_t steady_optimizer_state(const ChildResult& r) {
+int64_t steady_bytes(const ChildResult& r, const char* what) {
   const auto& stages = r.report["fit"]["stages"];
-  return stages.empty() ? 0 : stages[0]["steady"].value("optimizer_state", int64_t{0});
+  return stages.empty() ? 0 : stages[0]["steady"].value(what, int64_t{0});
+}
+
+/// [plugins.zero] stage (1 when absent).
+int64_t zero_stage(const Config& c) {
+  if (const auto* z = c.plugins["zero"].as_table())
+    if (const auto s = (*z)["stage"].value<int64_t>()) return *s;
+  return 1;
 }
 
 }  // namespace
@@ -185,6 +195,7 @@ struct Measured {
   std::vector<Fit> fits;
   double invariant = 0;  ///< bytes per sample no technique changes: the loaded batch
   int64_t base_optimizer_state = 0;  ///< the baseline's steady optimizer state (per rank)
+  int64_t base_parameters = 0;       ///< the baseline's steady parameter bytes (per rank)
   json runs = json::array();
 };
 
@@ -205,13 +216,17 @@ void add_formula_fits(const PlanArgs& a, const PlanInputs& in, Measured& m) {
   for (size_t j = 0; j < in.t.techniques.size(); ++j) {
     if (!by_formula(in.t.techniques[j])) continue;
     Fit f = m.fits[0];
-    const double saved = static_cast<double>(m.base_optimizer_state) * (1.0 - 1.0 / ranks);
+    const bool stage3 = zero_stage(in.cfg) == 3;
+    const int64_t sharded = m.base_optimizer_state + (stage3 ? m.base_parameters : 0);
+    const double saved = static_cast<double>(sharded) * (1.0 - 1.0 / ranks);
     f.fixed -= saved;
     m.fits.insert(m.fits.begin() + static_cast<std::ptrdiff_t>(j + 1), f);
     m.runs.push_back({{"name", in.t.techniques[j]}, {"techniques", {in.t.techniques[j]}},
-                      {"formula", "baseline - optimizer_state * (1 - 1/ranks)"},
+                      {"formula", stage3 ? "baseline - (optimizer_state + parameters) * (1 - 1/ranks)"
+                                         : "baseline - optimizer_state * (1 - 1/ranks)"},
                       {"ranks", static_cast<int64_t>(ranks)},
                       {"optimizer_state_bytes", m.base_optimizer_state},
+                      {"parameter_bytes", stage3 ? m.base_parameters : 0},
                       {"saved_bytes", static_cast<int64_t>(saved)}});
   }
 }
@@ -243,7 +258,10 @@ Measured measure_all(const PlanArgs& a, const PlanInputs& in, const std::string&
                                    static_cast<double>(in.b - in.half),
                                0.0, f.slope);
     m.fits.push_back(f);
-    if (m.fits.size() == 1) m.base_optimizer_state = steady_optimizer_state(big);
+    if (m.fits.size() == 1) {
+      m.base_optimizer_state = steady_bytes(big, "optimizer_state");
+      m.base_parameters = steady_bytes(big, "parameters");
+    }
   }
   add_formula_fits(a, in, m);
   return m;
@@ -482,8 +500,9 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
   for (const auto& t : in.t.techniques)
     if (by_formula(t))
       md << "`" << t << "` is not measured: its peak is the baseline's less "
-         << format_bytes(m.base_optimizer_state) << " of optimizer state x (1 - 1/"
-         << std::max(1, a.nproc) << " ranks) (ZeRO's formula).\n\n";
+         << format_bytes(m.base_optimizer_state) << " of optimizer state"
+         << (zero_stage(in.cfg) == 3 ? " and " + format_bytes(m.base_parameters) + " of parameters" : "")
+         << " x (1 - 1/" << std::max(1, a.nproc) << " ranks) (ZeRO's formula).\n\n";
   md
      << "| techniques | predicted peak | fits | predicted step time ± spread | measured peak | error |\n"
      << "|---|---:|:---:|---:|---:|---:|\n";

@@ -306,13 +306,14 @@ nlohmann::json rank_summary(Learner& learner) {
   const double peak = fit.value("peak_bytes", 0.0);
   const double step = fit.contains("step_seconds") ? fit["step_seconds"].value("median", 0.0) : 0.0;
   // The first stage's steady state: what each rank holds (a sharded optimizer differs by rank).
-  double grads = 0, state = 0;
+  double params = 0, grads = 0, state = 0;
   if (fit.contains("stages") && !fit["stages"].empty() && fit["stages"][0].contains("steady")) {
+    params = fit["stages"][0]["steady"].value("parameters", 0.0);
     grads = fit["stages"][0]["steady"].value("gradients", 0.0);
     state = fit["stages"][0]["steady"].value("optimizer_state", 0.0);
   }
   const auto all = World::get().all_gather(
-      torch::tensor({peak, step, grads, state}, torch::kDouble).to(World::get().device()));
+      torch::tensor({peak, step, grads, state, params}, torch::kDouble).to(World::get().device()));
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t r = 0; r < all.size(); ++r) {
     const auto v = all[r].cpu();
@@ -320,7 +321,8 @@ nlohmann::json rank_summary(Learner& learner) {
                      {"peak_bytes", static_cast<int64_t>(v[0].item<double>())},
                      {"step_seconds_median", v[1].item<double>()},
                      {"steady_gradients", static_cast<int64_t>(v[2].item<double>())},
-                     {"steady_optimizer_state", static_cast<int64_t>(v[3].item<double>())}});
+                     {"steady_optimizer_state", static_cast<int64_t>(v[3].item<double>())},
+                     {"steady_parameters", static_cast<int64_t>(v[4].item<double>())}});
   }
   nlohmann::json out = {{"ranks", ranks}};
   for (const auto& c : learner.callbacks())

@@ -154,8 +154,31 @@ int64_t broadcast_from_owners(const std::vector<torch::Tensor>& params,
 void ZeroOptions::visit(frugal::FieldVisitor& v) {
   v.field("stage", stage,
           "1 = each rank keeps the optimizer state of its share of the parameters; 2 = the "
-          "reduced gradients of its share too (ZeRO's P_os and P_os+g)",
-          frugal::Limits{1, 2});
+          "reduced gradients of its share too; 3 = only its share of the parameters, the others "
+          "gathered for each unit's forward and backward (ZeRO's P_os, P_os+g, P_os+g+p)",
+          frugal::Limits{1, 3});
+  v.field("unit_bytes", unit_bytes,
+          "stage 3: consecutive top-level blocks gathered together until their parameters reach "
+          "these bytes (0 = each block on its own, FSDP's wrapping of each block)",
+          frugal::at_least(0));
+  v.field("prefetch", prefetch,
+          "stage 3: launch the next unit's broadcasts before the current unit runs (one more "
+          "unit in memory, the transfer overlapped with compute)");
+}
+
+void ZeroOptions::check() const {
+  if (stage == 3) return;
+  if (unit_bytes != 0)
+    frugal::throw_config_error("plugins.zero.unit_bytes applies to stage = 3 only (this stage = " +
+                               std::to_string(stage) + "): remove it or set stage = 3");
+  if (!prefetch)
+    frugal::throw_config_error("plugins.zero.prefetch applies to stage = 3 only (this stage = " +
+                               std::to_string(stage) + "): remove it or set stage = 3");
+}
+
+frugal::CallbackRelations Zero::relations() const {
+  if (o_.stage != 3) return {};
+  return {{}, {"checkpoint", "step_in_backward", "chunked_loss"}, true};
 }
 
 Zero::Zero(const ZeroOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
@@ -180,9 +203,16 @@ void Zero::before_fit(frugal::Learner& l) {
   for (const auto& p : l.model()->parameters())
     bytes.push_back(static_cast<int64_t>(p.numel()) * static_cast<int64_t>(p.element_size()));
   owners_ = partition_by_bytes(bytes, w.size());
-  if (o_.stage == 2) dp->hand_over_gradient_sync(name());
+  if (o_.stage >= 2) dp->hand_over_gradient_sync(name());
   l.set_per_rank_optimizer_state(true);
   shard_optimizer(l);
+  if (o_.stage == 3) {
+    shards_ = std::make_unique<ShardedParameters>(l.model(), owners_, o_.unit_bytes, o_.prefetch);
+    shards_->release_all();
+    l.set_parameter_shards(shards_.get());
+    log_->info("stage 3: {} units of blocks gathered in turn (largest {})", shards_->units().size(),
+               frugal::format_bytes(shards_->largest_unit_bytes()));
+  }
   int64_t mine = 0;
   for (size_t i = 0; i < bytes.size(); ++i)
     if (owners_[i] == w.rank()) mine += bytes[i];
@@ -219,6 +249,12 @@ void Zero::shard_optimizer(frugal::Learner& l) {
   changes_ = l.optimizer_changes();
 }
 
+torch::Tensor Zero::wrap_forward(frugal::Learner& l, const torch::Tensor& x,
+                                 const frugal::ForwardNext& next) {
+  if (!shards_) return next(x);
+  return shards_->forward(x, l.training() && l.completes_step());
+}
+
 void Zero::optimizer_replaced(frugal::Learner& l) {
   if (active() && l.optimizer_changes() != changes_) shard_optimizer(l);  // not its own shard
 }
@@ -235,6 +271,10 @@ void Zero::before_stage(frugal::Learner& l) {
 }
 
 void Zero::after_backward(frugal::Learner& l) {
+  if (shards_) {
+    reduced_ += shards_->finish_backward();
+    return;
+  }
   if (!active() || o_.stage != 2) return;
   if (!l.completes_step()) return;
   reduced_ += reduce_to_owners(l.model()->parameters(), owners_, bucket_bytes_);
@@ -247,13 +287,20 @@ void Zero::before_step(frugal::Learner& l) {
 
 void Zero::after_step(frugal::Learner& l) {
   if (!active()) return;
-  broadcast_ += broadcast_from_owners(l.model()->parameters(), owners_, bucket_bytes_);
   ++steps_;
+  if (shards_) return;  // stage 3: the next unit gathers bring the stepped values
+  broadcast_ += broadcast_from_owners(l.model()->parameters(), owners_, bucket_bytes_);
 }
 
 void Zero::after_fit(frugal::Learner& l) {
   if (!active()) return;
   World& w = World::get();
+  if (shards_) {
+    shards_->gather_all();  // the model leaves the fit whole, on every rank
+    broadcast_ = shards_->gathered_bytes();
+    l.set_parameter_shards(nullptr);
+    shards_.reset();
+  }
   if (DataParallel* dp = find_data_parallel(l)) dp->hand_over_gradient_sync("");
   int64_t mine = 0;
   const auto params = l.model()->parameters();
@@ -304,6 +351,6 @@ void Zero::load_state(frugal::Learner&, torch::serialize::InputArchive& a) {
 }  // namespace frugal::zero
 
 FRUGAL_PLUGIN(frugal::zero::Zero, frugal::zero::ZeroOptions, "zero",
-              "ZeRO stages 1 and 2: each data-parallel rank keeps the optimizer state (and the "
-              "reduced gradients) of its share of the parameters",
+              "ZeRO stages 1-3: each data-parallel rank keeps the optimizer state (and the reduced "
+              "gradients, and the parameters) of its share of the parameters",
               "1.0.0")

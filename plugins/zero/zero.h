@@ -4,15 +4,19 @@
 /// builds the configured optimizer over its own share only, steps it, and broadcasts what it
 /// updated to the others. Stage 1 shards the optimizer state; stage 2 also the reduced
 /// gradients: each gradient bucket is reduced to its owner, and the other ranks drop theirs as
-/// soon as it is on the wire. The arithmetic (partition, buckets, the collectives) is free
-/// functions the tests call directly.
+/// soon as it is on the wire. Stage 3 also frees the parameters a rank does not own between
+/// uses (stage3.h). The arithmetic (partition, buckets, the collectives) is free functions the
+/// tests call directly.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
+
+#include "stage3.h"
 
 namespace frugal::zero {
 
@@ -47,8 +51,11 @@ int64_t broadcast_from_owners(const std::vector<torch::Tensor>& params,
 
 /// [plugins.zero]: TOML keys are the field names.
 struct ZeroOptions : frugal::Options {
-  int64_t stage = 1;  ///< default 1: the optimizer state sharded; 2: the gradients too
+  int64_t stage = 1;  ///< default 1: the optimizer state sharded; 2: the gradients; 3: parameters
+  int64_t unit_bytes = 0;  ///< stage 3: blocks gathered together up to these bytes (0: each block)
+  bool prefetch = true;    ///< stage 3: the next unit's broadcasts launched before this one runs
   void visit(frugal::FieldVisitor& v) override;
+  void check() const override;
 };
 
 /// What one rank holds, measured (the per-rank memory of the method card).
@@ -67,6 +74,13 @@ class Zero : public frugal::Callback {
   /// stage-2 reduce runs where data_parallel's all-reduce would, before amp (kPrecision)
   /// unscales and checks the gradients.
   int order() const override { return frugal::order::kGradientSync + 1; }
+  /// Stage 3 runs the model's blocks itself, unit by unit (the innermost forward), and refuses
+  /// what reads parameters outside it (checkpoint's recompute, chunked_loss's late head) or
+  /// steps them inside backward (step_in_backward).
+  bool wraps_forward() const override { return o_.stage == 3; }
+  frugal::CallbackRelations relations() const override;
+  torch::Tensor wrap_forward(frugal::Learner& l, const torch::Tensor& x,
+                             const frugal::ForwardNext& next) override;
 
   /// Partitions the parameters, replaces the optimizer by one over this rank's share, marks
   /// the optimizer state per rank (checkpoints) and, in stage 2, takes the gradient sync over
@@ -83,9 +97,10 @@ class Zero : public frugal::Callback {
   void after_backward(frugal::Learner& l) override;
   /// Notes the gradient bytes the step starts with.
   void before_step(frugal::Learner& l) override;
-  /// Every owner broadcasts the parameters it stepped.
+  /// Every owner broadcasts the parameters it stepped (stage 3: the next gathers bring them).
   void after_step(frugal::Learner& l) override;
-  /// Each rank's bytes gathered to rank 0 and logged; gives data_parallel its sync back.
+  /// Each rank's bytes gathered to rank 0 and logged; gives data_parallel its sync back;
+  /// stage 3 leaves every parameter in memory (the exported model, later validations).
   void after_fit(frugal::Learner& l) override;
 
   /// The sharding: stage, world size and each parameter's owner, marked optional (a run
@@ -109,6 +124,8 @@ class Zero : public frugal::Callback {
   int64_t changes_ = -1;  // the optimizer_changes() this rank's optimizer was sharded at
   int64_t step_gradients_ = 0, reduced_ = 0, broadcast_ = 0, steps_ = 0;
   std::vector<RankBytes> ranks_;
+  std::unique_ptr<ShardedParameters> shards_;  // stage 3, during a fit
+  int64_t gathered_ = 0;
 };
 
 }  // namespace frugal::zero

@@ -473,9 +473,17 @@ TEST(DataParallelFaults, APortInUseIsAClearError) {
   EXPECT_NE(log.find("Address already in use"), std::string::npos) << log;
 }
 
-TEST(DataParallelFaults, WithoutTheLauncherARankKilledMidRunEndsTheOther) {
+// Also with zero stage 3, where the survivor waits in a unit's gather (a broadcast from the
+// dead rank) rather than in the gradient all-reduce.
+class RankKilledMidRun : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(DataParallelFaults, RankKilledMidRun,
+                         ::testing::Values("", "[plugins.zero]\nstage = 3\n"),
+                         [](const auto& p) { return p.param.empty() ? "DataParallel" : "ZeroStage3"; });
+
+TEST_P(RankKilledMidRun, WithoutTheLauncherARankKilledMidRunEndsTheOther) {
   TempDir dir;
-  write_text(dir.file("run.toml"), dp_config(dir.file("run"), "[distributed]\ntimeout = 20\n", 20000));
+  write_text(dir.file("run.toml"),
+             dp_config(dir.file("run"), "[distributed]\ntimeout = 20\n" + GetParam(), 20000));
   const int port = free_port();
   const pid_t r0 = start_rank(0, 2, port, {"train", dir.file("run.toml")}, dir.file("log0"));
   const pid_t r1 = start_rank(1, 2, port, {"train", dir.file("run.toml")}, dir.file("log1"));

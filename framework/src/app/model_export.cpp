@@ -129,7 +129,10 @@ void SaveBest::after_validate(Learner& l) {
   if (!in_epoch_) return;  // a validate() called outside the fit's epochs
   ++validations_;
   const double v = monitor_.value(l.task(), l.valid_sums());
-  if (!monitor_.improves(l.task(), v, has_best_, best_)) return;
+  // Rank 0's verdict on every rank: they export together when the parameters are sharded.
+  Collective& world = l.collective();
+  const bool main = world.rank() == 0;
+  if (!world.any(main && monitor_.improves(l.task(), v, has_best_, best_))) return;
   has_best_ = true;
   best_ = v;
   const std::string st = fs::path(path_).replace_extension(".safetensors").string();
@@ -141,7 +144,8 @@ void SaveBest::after_validate(Learner& l) {
   std::snprintf(value, sizeof value, "%.17g", v);
   metadata["frugal.best." + monitor_.metric()] = value;
   metadata["frugal.best.steps"] = std::to_string(l.steps());
-  export_weights(l, path_, metadata, data_);
+  const FullParameters full(l);  // zero stage 3: every rank takes part in the gather
+  if (main) export_weights(l, path_, metadata, data_);
 }
 
 void SaveBest::save_state(torch::serialize::OutputArchive& a) const {

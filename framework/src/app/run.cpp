@@ -277,7 +277,7 @@ void add_safety_nets(const Config& c, Learner& l) {
       return m;
     });
   };
-  if (c.run.save_best != "off" && World::get().is_main())
+  if (c.run.save_best != "off")  // on every rank (they decide together), rank 0 writes
     l.add_callback(std::make_shared<SaveBest>(
         monitor("run.save_best", c.run.save_best, 0.0), best_model_path(c.run),
         std::map<std::string, std::string>{{"frugal.model.arch", c.model.arch}},

@@ -103,6 +103,7 @@ FitPosition Learner::position() const {
 
 void Learner::save_checkpoint(const std::string& path, const nlohmann::json& info) {
   live();
+  const FullParameters full(*this);  // every rank: a collective when sharded
   archive::ResumeRecord r;
   r.position = position();
   for (const auto& s : stages_) {

@@ -140,6 +140,7 @@ size_t Learner::start_fit(const std::vector<Stage>& stages) {
 void Learner::run_stages(size_t first_stage) {
   state_offloaded_ = false;  // a callback that offloads says so again
   sync_reserve_ = 0;         // a gradient sync says so in before_stage
+  shards_ = nullptr;         // a sharding callback registers in before_fit
   fire(Event::BeforeFit);
   if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
   for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {

@@ -68,7 +68,8 @@ CudaWindows& cuda_windows() {
 
 int64_t parameter_bytes(const torch::nn::Module& m) {
   int64_t total = 0;
-  for (const auto& p : m.parameters()) total += static_cast<int64_t>(p.nbytes());
+  for (const auto& p : m.parameters())
+    if (resident(p)) total += static_cast<int64_t>(p.nbytes());
   for (const auto& b : m.buffers()) total += static_cast<int64_t>(b.nbytes());
   return total;
 }
@@ -101,6 +102,7 @@ CountingOffloaded::~CountingOffloaded() { tl_count_offloaded = previous_; }
 bool resident(const torch::Tensor& t) {
   if (!t.defined()) return false;
   if (!t.has_storage() || tl_count_offloaded) return true;
+  if (t.storage().nbytes() == 0 && t.numel() > 0) return false;  // freed (zero stage 3's shards)
   const c10::DeleterFnPtr mine = t.storage().data_ptr().get_deleter();
   for (const auto& slot : offloaded_deleters()) {
     const c10::DeleterFnPtr d = slot.load(std::memory_order_acquire);

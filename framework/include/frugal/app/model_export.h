@@ -42,7 +42,9 @@ class ModelExport : public Callback {
 /// run.save_best: after each validation inside the fit that improves on the best so far (by
 /// the monitor's min_delta), the model's weights go to `path` (best.pt) and the same weights to
 /// best.safetensors beside it, each written atomically (temp file, fsync, rename), so a crash
-/// leaves the previous best intact. Its record names the value, stage, epoch and steps.
+/// leaves the previous best intact. Its record names the value, stage, epoch and steps. Under
+/// data parallel it runs on every rank: rank 0's verdict decides, rank 0 writes, and the others
+/// take part in gathering sharded parameters (FullParameters).
 class SaveBest : public Callback {
  public:
   SaveBest(MetricMonitor monitor, std::string path, std::map<std::string, std::string> metadata = {},

@@ -14,6 +14,7 @@ inline constexpr const char* kVersion = "0.1.0";
 // 10: DataParallel's layout (overlap, flags), DataLoader's shard fields, Adam8bitOptions::fused,
 // NonFiniteCheck and StopCallback's layouts. 11: Learner::set_optimizer_state_offloaded (the
 // Learner's layout changed); resident() and register_offloaded_deleter (tensor_bytes counts
-// only resident bytes).
-inline constexpr int kAbiVersion = 11;
+// only resident bytes). 12: Learner::set_parameter_shards and FullParameters (the Learner's
+// layout changed); resident() is false for storage freed to 0 bytes.
+inline constexpr int kAbiVersion = 12;
 }  // namespace frugal

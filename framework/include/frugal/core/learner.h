@@ -16,6 +16,7 @@
 #include "frugal/core/callback.h"
 #include "frugal/core/collective.h"
 #include "frugal/core/micro_batch.h"
+#include "frugal/core/parameter_shards.h"
 #include "frugal/data/data.h"
 #include "frugal/data/task.h"
 #include "frugal/memory/fit_stats.h"
@@ -102,6 +103,11 @@ class Learner {
   /// them free. Set by a callback in before_stage; every fit starts with 0.
   void set_sync_reserve(int64_t bytes) { sync_reserve_ = bytes; }
   int64_t sync_reserve() const { return sync_reserve_; }
+  /// Parameters kept in shards between uses (zero stage 3): set by the callback that frees
+  /// them, in before_fit, and cleared (nullptr) in its after_fit. save_checkpoint gathers them
+  /// for its write (FullParameters, parameter_shards.h).
+  void set_parameter_shards(ParameterShards* s) { shards_ = s; }
+  ParameterShards* parameter_shards() const { return shards_; }
   /// The processes this Learner trains with: SingleProcess until a data-parallel run sets its
   /// World (not owned: it outlives every Learner). Checkpoints, validation, the micro-batch
   /// probe and the in-tree callbacks' shared verdicts go through it.
@@ -374,6 +380,9 @@ class Learner {
   bool per_rank_optimizer_ = false;
   bool state_offloaded_ = false;
   int64_t sync_reserve_ = 0;
+  ParameterShards* shards_ = nullptr;
+  int full_parameter_scopes_ = 0;
+  friend class FullParameters;
   Collective* collective_ = &SingleProcess::get();
   LossFn loss_fn_;
   DataLoader train_;

@@ -39,7 +39,8 @@ struct MemoryBreakdown {
 };
 void to_json(nlohmann::json& j, const MemoryBreakdown& b);
 
-/// Bytes of tensor storage reachable from a module's parameters and buffers, and their grads.
+/// Bytes of tensor storage reachable from a module's parameters and buffers, and their grads;
+/// parameters that are not resident (a shard another rank holds) count nothing.
 int64_t parameter_bytes(const torch::nn::Module& m);
 int64_t gradient_bytes(const torch::nn::Module& m);
 /// Bytes of the optimizer's state tensors in memory (resident). Declared (and documented) with
@@ -51,7 +52,8 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 /// tensors are not resident: the meter never counted them, and optimizer_state_bytes, the
 /// report's optimizer_state and the micro-batch search leave them out. At most 8 deleters.
 void register_offloaded_deleter(c10::DeleterFnPtr deleter);
-/// Whether `t`'s bytes are in memory: defined, and its storage's deleter not a registered one.
+/// Whether `t`'s bytes are in memory: defined, its storage not freed to 0 bytes (zero stage 3
+/// frees the parameters another rank owns between uses) and its deleter not a registered one.
 bool resident(const torch::Tensor& t);
 
 /// What the allocator holds besides the live bytes (MemoryMeter::allocator_stats()).

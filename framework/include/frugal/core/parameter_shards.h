@@ -1,0 +1,35 @@
+#pragma once
+/// Parameters kept in shards between uses (zero stage 3, FSDP): a callback that frees the
+/// parameters its rank does not own registers a ParameterShards with the Learner
+/// (Learner::set_parameter_shards), and whoever reads every parameter outside the forward
+/// (a checkpoint, the best model's export) holds a FullParameters for the time it reads, as
+/// FSDP's summon_full_params. Gathering is a collective: every rank must hold one at the same
+/// point of the fit.
+namespace frugal {
+
+class Learner;
+
+class ParameterShards {
+ public:
+  virtual ~ParameterShards() = default;
+  /// Brings every parameter into memory with its owner's values (a collective).
+  virtual void gather_all() = 0;
+  /// Frees again what gather_all brought in (this rank's own shard stays).
+  virtual void release_all() = 0;
+};
+
+/// Every parameter in memory for the scope's life: a no-op without shards, nested scopes
+/// gather once.
+class FullParameters {
+ public:
+  explicit FullParameters(Learner& l);
+  ~FullParameters();
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+
+ private:
+  ParameterShards* shards_ = nullptr;
+  Learner* learner_ = nullptr;  // set once gathered: the scope to close
+};
+
+}  // namespace frugal
