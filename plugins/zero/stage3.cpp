@@ -3,7 +3,9 @@
 #include "stage3.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
+#include <numeric>
 #include <string>
 
 #include <c10/core/StorageImpl.h>
@@ -31,8 +33,6 @@ namespace {
 
 c10::StorageImpl& storage_of(const torch::Tensor& p) { return *p.storage().unsafeGetStorageImpl(); }
 
-bool freed(const torch::Tensor& p) { return p.storage().nbytes() == 0 && p.numel() > 0; }
-
 // The parameter keeps its TensorImpl (the optimizer's key, autograd's saved tensor, its shape);
 // only the bytes go.
 void free_storage(const torch::Tensor& p) {
@@ -41,10 +41,41 @@ void free_storage(const torch::Tensor& p) {
   s.set_nbytes(0);
 }
 
-void allocate_storage(const torch::Tensor& p, size_t nbytes) {
+// The parameter's bytes become `nbytes` of `flat` from element `offset`; flat owns them (the
+// DataPtr has no deleter), so the caller keeps flat alive as long as the parameter points there.
+void point_into(const torch::Tensor& p, const torch::Tensor& flat, int64_t offset, size_t nbytes) {
   c10::StorageImpl& s = storage_of(p);
-  s.set_data_ptr_noswap(s.allocator()->allocate(nbytes));
+  char* data = static_cast<char*>(flat.data_ptr()) + offset * static_cast<int64_t>(flat.element_size());
+  s.set_data_ptr_noswap(c10::DataPtr(data, flat.device()));
   s.set_nbytes(nbytes);
+}
+
+// Elements a parameter takes in a flat: its own, padded so the next starts 64 bytes aligned.
+int64_t padded(const torch::Tensor& p) {
+  const int64_t a = std::max<int64_t>(1, 64 / static_cast<int64_t>(p.element_size()));
+  return (p.numel() + a - 1) / a * a;
+}
+
+// `params` grouped by owner (ascending) and dtype, each group in the given order: every rank
+// builds the same groups, so the collectives stay in step.
+std::vector<std::vector<size_t>> groups(const std::vector<size_t>& params, const std::vector<int>& owners,
+                                        const std::vector<torch::Tensor>& tensors) {
+  std::vector<std::vector<size_t>> out;
+  std::vector<int> sorted_owners;
+  for (size_t i : params) sorted_owners.push_back(owners[i]);
+  std::sort(sorted_owners.begin(), sorted_owners.end());
+  sorted_owners.erase(std::unique(sorted_owners.begin(), sorted_owners.end()), sorted_owners.end());
+  for (int r : sorted_owners) {
+    const size_t first = out.size();
+    for (size_t i : params) {
+      if (owners[i] != r) continue;
+      size_t g = first;
+      while (g < out.size() && tensors[out[g].front()].scalar_type() != tensors[i].scalar_type()) ++g;
+      if (g == out.size()) out.emplace_back();
+      out[g].push_back(i);
+    }
+  }
+  return out;
 }
 
 // The tensors a block reads: its parameters, and a tied head's weight (the embedding's, which
@@ -108,6 +139,7 @@ ShardedParameters::ShardedParameters(torch::nn::Sequential model, std::vector<in
   for (size_t u = units_.size(); u-- > 0;)
     for (size_t i : units_[u].params) last_unit_[i] = u;
   uses_.assign(params_.size(), 0);
+  holder_.resize(params_.size());
   state_.assign(units_.size(), State::Released);
   wire_.resize(units_.size());
   hooked_.assign(units_.size(), false);
@@ -118,10 +150,14 @@ ShardedParameters::ShardedParameters(torch::nn::Sequential model, std::vector<in
 ShardedParameters::~ShardedParameters() {
   try {
     for (size_t u = 0; u < units_.size(); ++u)
-      for (auto& b : wire_[u]) b.pending.wait();
+      for (auto& f : wire_[u]) f.pending.wait();
     await_reduces();
   } catch (...) {  // a broken group: the run ends with the error already raised
   }
+  // A fit that failed before after_fit: nothing may point into the flats going away (a read
+  // of such a parameter then finds no bytes instead of freed memory).
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (holder_[i].defined()) free_storage(params_[i]);
 }
 
 int64_t ShardedParameters::largest_unit_bytes() const {
@@ -130,39 +166,58 @@ int64_t ShardedParameters::largest_unit_bytes() const {
   return m;
 }
 
-// The unit's parameters on the wire from their owners, into storage allocated for them. A
-// parameter another gathered unit holds (a tied weight) is current already: every rank skips
-// it alike, so the collectives stay in step.
+// The unit's parameters on the wire from their owners: one flat broadcast per owner and dtype,
+// the receivers' parameters pointing into it. A parameter another gathered unit holds (a tied
+// weight) is current already: every rank skips it alike, so the collectives stay in step.
 void ShardedParameters::launch(size_t u) {
   if (state_[u] != State::Released) return;
   World& w = World::get();
-  for (size_t i : units_[u].params) {
-    if (uses_[i]++ > 0) continue;
-    const torch::Tensor& p = params_[i];
-    if (owners_[i] != rank_) {
-      if (freed(p)) allocate_storage(p, nbytes_[i]);
-      gathered_ += static_cast<int64_t>(nbytes_[i]);
+  torch::NoGradGuard no_grad;
+  std::vector<size_t> bring;
+  for (size_t i : units_[u].params)
+    if (uses_[i]++ == 0) bring.push_back(i);
+  for (const auto& group : groups(bring, owners_, params_)) {
+    Flight f;
+    f.owner = owners_[group.front()];
+    int64_t numel = 0;
+    for (size_t i : group) numel += padded(params_[i]);
+    f.flat = torch::empty({numel}, params_[group.front()].options().requires_grad(false));
+    int64_t at = 0;
+    for (size_t i : group) {
+      const torch::Tensor& p = params_[i];
+      if (f.owner == rank_) {
+        f.flat.narrow(0, at, p.numel()).copy_(p.detach().reshape(-1));
+      } else {
+        point_into(p, f.flat, at, nbytes_[i]);
+        holder_[i] = f.flat;
+        gathered_ += static_cast<int64_t>(nbytes_[i]);
+      }
+      at += padded(p);
     }
-    torch::Tensor into = p.detach();  // the same bytes; c10d writes them, autograd sees no op
-    Pending pending = w.broadcast_async(into, owners_[i]);
-    wire_[u].push_back({std::move(pending), std::move(into)});
+    f.pending = w.broadcast_async(f.flat, f.owner);
+    wire_[u].push_back(std::move(f));
   }
   state_[u] = State::OnTheWire;
 }
 
 void ShardedParameters::await(size_t u) {
   launch(u);
-  for (auto& b : wire_[u]) b.pending.wait();
-  wire_[u].clear();
+  for (auto& f : wire_[u]) f.pending.wait();
+  wire_[u].clear();  // a sender's copy goes; a receiver's flat stays with its parameters
   state_[u] = State::Gathered;
+}
+
+void ShardedParameters::free_parameter(size_t i) {
+  free_storage(params_[i]);
+  holder_[i] = torch::Tensor();
 }
 
 void ShardedParameters::release(size_t u) {
   if (state_[u] == State::Released) return;
-  for (auto& b : wire_[u]) b.pending.wait();  // never free bytes a broadcast still writes
+  for (auto& f : wire_[u]) f.pending.wait();  // never free bytes a broadcast still writes
   wire_[u].clear();
   for (size_t i : units_[u].params)
-    if (--uses_[i] == 0 && owners_[i] != rank_) free_storage(params_[i]);
+    if (--uses_[i] == 0 && owners_[i] != rank_) free_parameter(i);
   state_[u] = State::Released;
 }
 
@@ -171,8 +226,25 @@ void ShardedParameters::gather_all() {
   for (size_t u = 0; u < units_.size(); ++u) await(u);
 }
 
+void ShardedParameters::unshard() {
+  gather_all();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!holder_[i].defined()) continue;
+    const torch::Tensor& p = params_[i];
+    c10::StorageImpl& s = storage_of(p);
+    c10::DataPtr own = s.allocator()->allocate(nbytes_[i]);
+    std::memcpy(own.get(), s.data(), nbytes_[i]);
+    s.set_data_ptr_noswap(std::move(own));
+    holder_[i] = torch::Tensor();
+  }
+  for (size_t u = 0; u < units_.size(); ++u) state_[u] = State::Released;
+  std::fill(uses_.begin(), uses_.end(), 0);
+}
+
 void ShardedParameters::release_all() {
   for (size_t u = 0; u < units_.size(); ++u) release(u);
+  for (size_t i = 0; i < params_.size(); ++i)  // the first call: the whole model is in memory
+    if (uses_[i] == 0 && owners_[i] != rank_ && params_[i].storage().nbytes() > 0) free_parameter(i);
 }
 
 torch::Tensor ShardedParameters::forward(torch::Tensor x, bool reduce) {
@@ -222,31 +294,53 @@ void ShardedParameters::after_unit_backward(size_t u) {
   release(u);
   if (!reduce_) return;
   await_reduces();  // one unit's gradients on the wire at a time: the copies are freed as we go
+  std::vector<size_t> done;
   for (size_t i : units_[u].params)
-    if (last_unit_[i] == u) send_gradient(i);
+    if (last_unit_[i] == u) done.push_back(i);
+  send_gradients(done);
 }
 
-// The parameter's gradient summed onto its owner; the other ranks let theirs go. A parameter
-// this rank's forward did not use counts as zeros.
-void ShardedParameters::send_gradient(size_t i) {
-  torch::Tensor p = params_[i];
-  if (sent_[i] || !p.requires_grad()) return;
-  sent_[i] = true;
+// The parameters' gradients summed onto their owners, one flat reduce per owner and dtype; the
+// other ranks let theirs go. A parameter this rank's forward did not use counts as zeros.
+void ShardedParameters::send_gradients(const std::vector<size_t>& params) {
+  std::vector<size_t> send;
+  for (size_t i : params)
+    if (!sent_[i] && params_[i].requires_grad()) {
+      sent_[i] = true;
+      send.push_back(i);
+    }
   torch::NoGradGuard no_grad;
-  if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-  if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
-  torch::Tensor g = p.grad();
-  Pending pending = World::get().reduce_async(g, owners_[i]);
-  sent_bytes_ += static_cast<int64_t>(nbytes_[i]);
-  if (owners_[i] != rank_) p.mutable_grad().reset();
-  reduces_.push_back({std::move(pending), std::move(g), i});
+  World& w = World::get();
+  for (const auto& group : groups(send, owners_, params_)) {
+    Flight f;
+    f.owner = owners_[group.front()];
+    f.params = group;
+    std::vector<torch::Tensor> grads;
+    for (size_t i : group) {
+      torch::Tensor p = params_[i];
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      grads.push_back(p.grad());
+      sent_bytes_ += static_cast<int64_t>(nbytes_[i]);
+    }
+    f.flat = grads.size() == 1 ? grads.front().reshape(-1).clone() : at::flatten_dense_tensors(grads);
+    f.pending = w.reduce_async(f.flat, f.owner);
+    if (f.owner != rank_)
+      for (size_t i : group) torch::Tensor(params_[i]).mutable_grad().reset();
+    reduces_.push_back(std::move(f));
+  }
 }
 
 void ShardedParameters::await_reduces() {
   const double inv = 1.0 / static_cast<double>(World::get().size());
-  for (auto& r : reduces_) {
-    r.pending.wait();
-    if (owners_[r.param] == rank_) r.grad.mul_(inv);  // as data_parallel: the sum, then the mean
+  torch::NoGradGuard no_grad;
+  for (auto& f : reduces_) {
+    f.pending.wait();
+    if (f.owner != rank_) continue;
+    f.flat.mul_(inv);  // as data_parallel: the sum, then the mean (Gloo has no AVG)
+    std::vector<torch::Tensor> grads;
+    for (size_t i : f.params) grads.push_back(params_[i].grad());
+    const auto parts = at::unflatten_dense_tensors(f.flat, grads);
+    for (size_t k = 0; k < grads.size(); ++k) grads[k].copy_(parts[k]);
   }
   reduces_.clear();
 }
@@ -255,8 +349,11 @@ int64_t ShardedParameters::finish_backward() {
   for (size_t j = units_.size(); j-- > 0;)
     if (backward_open_[j]) after_unit_backward(j);
   release_all();
-  if (reduce_)
-    for (size_t i = 0; i < params_.size(); ++i) send_gradient(i);  // the order is every rank's
+  if (reduce_) {  // what no unit's backward sent (a unit whose output needed no gradient)
+    std::vector<size_t> all(params_.size());
+    std::iota(all.begin(), all.end(), size_t{0});
+    send_gradients(all);
+  }
   await_reduces();
   reduce_ = false;
   return sent_bytes_;

@@ -40,6 +40,9 @@ class ShardedParameters final : public frugal::ParameterShards {
   void gather_all() override;
   /// Frees every parameter this rank does not own (awaiting what is still on the wire).
   void release_all() override;
+  /// Every parameter gathered into storage of its own: the model whole again, independent of
+  /// this object (the end of the fit).
+  void unshard();
 
   /// The model's forward, unit by unit, each gathered before its blocks run (the next one's
   /// broadcasts launched first when prefetching) and freed after. With grad on, each unit is
@@ -57,22 +60,23 @@ class ShardedParameters final : public frugal::ParameterShards {
 
  private:
   enum class State { Released, OnTheWire, Gathered };
-  struct Broadcast {
+  /// One owner's parameters of one dtype in a unit, on the wire as one flat tensor. Received:
+  /// each parameter's storage points into `flat` (no copy), which lives as long as one of them
+  /// does (holder_). Sent: a copy of the owner's parameters.
+  struct Flight {
     Pending pending;
-    torch::Tensor into;
-  };
-  struct Reduce {
-    Pending pending;
-    torch::Tensor grad;
-    size_t param = 0;
+    torch::Tensor flat;
+    std::vector<size_t> params;  ///< reduce: the parameters whose gradients it carries
+    int owner = 0;
   };
   void launch(size_t u);
   void await(size_t u);
   void release(size_t u);
   void before_unit_backward(size_t u);
   void after_unit_backward(size_t u);
-  void send_gradient(size_t i);
+  void send_gradients(const std::vector<size_t>& params);
   void await_reduces();
+  void free_parameter(size_t i);
 
   torch::nn::Sequential model_;
   std::vector<torch::Tensor> params_;
@@ -82,9 +86,10 @@ class ShardedParameters final : public frugal::ParameterShards {
   std::vector<size_t> last_unit_;  // per parameter: the last unit whose backward uses it
   std::vector<int> uses_;          // per parameter: gathered units holding it
   std::vector<State> state_;
-  std::vector<std::vector<Broadcast>> wire_;
+  std::vector<std::vector<Flight>> wire_;
+  std::vector<torch::Tensor> holder_;  // per parameter: the received flat its storage points into
   std::vector<bool> hooked_, backward_open_, sent_;
-  std::vector<Reduce> reduces_;
+  std::vector<Flight> reduces_;
   bool prefetch_ = true, reduce_ = false;
   int rank_ = 0;
   int64_t gathered_ = 0, sent_bytes_ = 0;

@@ -296,7 +296,7 @@ void Zero::after_fit(frugal::Learner& l) {
   if (!active()) return;
   World& w = World::get();
   if (shards_) {
-    shards_->gather_all();  // the model leaves the fit whole, on every rank
+    shards_->unshard();  // the model leaves the fit whole, on every rank
     broadcast_ = shards_->gathered_bytes();
     l.set_parameter_shards(nullptr);
     shards_.reset();
