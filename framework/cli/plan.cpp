@@ -32,6 +32,7 @@
 
 #include "ablation.h"
 #include "frugal/base/error.h"
+#include "frugal/app/run.h"
 #include "frugal/io/file_writer.h"
 #include "frugal/memory/memory.h"
 
@@ -102,9 +103,9 @@ double spread_of(const ChildResult& r, int64_t steady) {
 /// Stage 2's gradients are 1/N only from the end of the backward (they are reduced after it),
 /// past the backward's peak, so the formula leaves them out; activations and the step time are
 /// the baseline's (the sync's extra time is not predicted). Stage 3 also keeps 1/N of the
-/// parameters P between uses: the fixed part falls by (S + P) (1 - 1/N); the gathered units
-/// and the gradients freed during the backward are left out (the measured check says how far
-/// that is).
+/// parameters P between uses: the fixed part falls by (S + P) (1 - 1/N) and rises by the units
+/// gathered at once (stage3_gathered_bytes); the gradients freed during the backward are left
+/// out (the measured check says how far that is).
 constexpr const char* kFormulaTechniques[] = {"zero"};
 
 bool by_formula(const std::string& technique) {
@@ -122,6 +123,34 @@ int64_t zero_stage(const Config& c) {
   if (const auto* z = c.plugins["zero"].as_table())
     if (const auto s = (*z)["stage"].value<int64_t>()) return *s;
   return 1;
+}
+
+/// Stage 3's gathered parameters at their most: the model's top-level blocks joined into units
+/// as zero joins them (unit_bytes; a block without parameters joins the next), a unit and, with
+/// prefetch, the next one in memory at once. Built from the config's model, on the CPU.
+int64_t stage3_gathered_bytes(const Config& c) {
+  int64_t unit_bytes = 0;
+  bool prefetch = true;
+  if (const auto* z = c.plugins["zero"].as_table()) {
+    unit_bytes = (*z)["unit_bytes"].value_or(int64_t{0});
+    prefetch = (*z)["prefetch"].value_or(true);
+  }
+  std::vector<int64_t> units;
+  int64_t held = 0;
+  for (const auto& block : make_config_model(c)->children()) {
+    int64_t bytes = 0;
+    for (const auto& p : block->parameters()) bytes += static_cast<int64_t>(p.nbytes());
+    if (units.empty() || held >= std::max<int64_t>(unit_bytes, 1)) {
+      units.push_back(0);
+      held = 0;
+    }
+    units.back() += bytes;
+    held += bytes;
+  }
+  int64_t most = 0;
+  for (size_t u = 0; u < units.size(); ++u)
+    most = std::max(most, units[u] + (prefetch && u + 1 < units.size() ? units[u + 1] : 0));
+  return most;
 }
 
 }  // namespace
@@ -196,6 +225,7 @@ struct Measured {
   double invariant = 0;  ///< bytes per sample no technique changes: the loaded batch
   int64_t base_optimizer_state = 0;  ///< the baseline's steady optimizer state (per rank)
   int64_t base_parameters = 0;       ///< the baseline's steady parameter bytes (per rank)
+  int64_t gathered = 0;              ///< zero stage 3: the units in memory at once
   json runs = json::array();
 };
 
@@ -218,15 +248,17 @@ void add_formula_fits(const PlanArgs& a, const PlanInputs& in, Measured& m) {
     Fit f = m.fits[0];
     const bool stage3 = zero_stage(in.cfg) == 3;
     const int64_t sharded = m.base_optimizer_state + (stage3 ? m.base_parameters : 0);
-    const double saved = static_cast<double>(sharded) * (1.0 - 1.0 / ranks);
+    if (stage3) m.gathered = stage3_gathered_bytes(in.cfg);
+    const double saved = static_cast<double>(sharded) * (1.0 - 1.0 / ranks) - static_cast<double>(m.gathered);
     f.fixed -= saved;
     m.fits.insert(m.fits.begin() + static_cast<std::ptrdiff_t>(j + 1), f);
     m.runs.push_back({{"name", in.t.techniques[j]}, {"techniques", {in.t.techniques[j]}},
-                      {"formula", stage3 ? "baseline - (optimizer_state + parameters) * (1 - 1/ranks)"
+                      {"formula", stage3 ? "baseline - (optimizer_state + parameters) * (1 - 1/ranks) + gathered units"
                                          : "baseline - optimizer_state * (1 - 1/ranks)"},
                       {"ranks", static_cast<int64_t>(ranks)},
                       {"optimizer_state_bytes", m.base_optimizer_state},
                       {"parameter_bytes", stage3 ? m.base_parameters : 0},
+                      {"gathered_bytes", m.gathered},
                       {"saved_bytes", static_cast<int64_t>(saved)}});
   }
 }
@@ -502,7 +534,9 @@ int run_plan(const PlanArgs& a, spdlog::logger& log, const char* argv0) {
       md << "`" << t << "` is not measured: its peak is the baseline's less "
          << format_bytes(m.base_optimizer_state) << " of optimizer state"
          << (zero_stage(in.cfg) == 3 ? " and " + format_bytes(m.base_parameters) + " of parameters" : "")
-         << " x (1 - 1/" << std::max(1, a.nproc) << " ranks) (ZeRO's formula).\n\n";
+         << " x (1 - 1/" << std::max(1, a.nproc) << " ranks) (ZeRO's formula)"
+         << (m.gathered > 0 ? ", plus " + format_bytes(m.gathered) + " of units gathered at once" : "")
+         << ".\n\n";
   md
      << "| techniques | predicted peak | fits | predicted step time ± spread | measured peak | error |\n"
      << "|---|---:|:---:|---:|---:|---:|\n";

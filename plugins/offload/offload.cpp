@@ -229,6 +229,11 @@ void OffloadOptions::visit(frugal::FieldVisitor& v) {
   v.field("drop_pages", drop_pages,
           frugal::outside_training("after each step, drop the state's pages from the process "
                                    "(they stay in the file and the page cache)"));
+  v.field("parameters", parameters,
+          frugal::outside_training("keep the parameters the optimizer steps in the files too "
+                                   "(with zero, this rank's share; stage 3 gathers the others "
+                                   "into memory for each unit): the forward reads them from the "
+                                   "page cache, the step writes them in place"));
 }
 
 Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
@@ -256,6 +261,21 @@ void Offload::before_fit(frugal::Learner& l) {
   if (::statfs(dir_.c_str(), &fs_info) == 0 && fs_info.f_type == TMPFS_MAGIC)
     log_->warn("{} is on a tmpfs, which lives in memory: the state would stay there; set "
                "plugins.offload.dir to a folder on a disk", dir_);
+  parameters_moved_ = {};
+  move_parameters(l);
+}
+
+// The optimizer's parameters (each rank's share under zero: it runs after zero's before_fit),
+// moved once; a stage's or a swap's new optimizer steps the same tensors, already there.
+void Offload::move_parameters(frugal::Learner& l) {
+  if (!o_.parameters) return;
+  std::vector<torch::Tensor> ps;
+  for (const auto& g : l.optimizer().param_groups())
+    for (const auto& p : g.params())
+      if (!packed_on_disk(p)) ps.push_back(p);
+  const Moved m = move_to_disk(ps, dir_);
+  parameters_moved_.tensors += m.tensors;
+  parameters_moved_.bytes += m.bytes;
 }
 
 Offload::~Offload() { end_redirect(); }
@@ -311,6 +331,7 @@ void Offload::after_batch(frugal::Learner& l) {
   const Moved m = move_to_disk(fresh, dir_);
   moved_.tensors += m.tensors;
   moved_.bytes += m.bytes;
+  move_parameters(l);
   if (o_.drop_pages) drop_pages();
 }
 
@@ -335,6 +356,9 @@ void Offload::after_fit(frugal::Learner& l) {
              frugal::format_bytes(b.on_disk), dir_, frugal::format_bytes(b.in_memory),
              frugal::format_bytes(moved_.bytes), moved_.tensors,
              unknown_ ? "; states of an unknown type stayed in memory" : "");
+  if (o_.parameters)
+    log_->info("parameters: {} in {} tensors in memory-mapped files", frugal::format_bytes(parameters_moved_.bytes),
+               parameters_moved_.tensors);
 }
 
 }  // namespace frugal::offload

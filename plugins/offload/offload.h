@@ -60,6 +60,7 @@ struct OffloadOptions : frugal::Options {
   std::string to = "disk";  ///< "disk"; "cpu" (CUDA state to pinned host memory) is not written
   std::string dir;          ///< default "": <run.out_dir>/offload, or the system's temp folder
   bool drop_pages = true;   ///< after each step, the state's pages leave the process
+  bool parameters = false;  ///< the parameters this rank steps go to disk too (ZeRO-Infinity's)
   void visit(frugal::FieldVisitor& v) override;
 };
 
@@ -75,7 +76,8 @@ class Offload : public frugal::Callback {
   int order() const override { return frugal::order::kProgress + 100; }
 
   /// Resolves the folder (created if missing); refuses a CUDA run, whose state would need the
-  /// step on the CPU ("cpu" offload, not written).
+  /// step on the CPU ("cpu" offload, not written). With `parameters`: the parameters the
+  /// optimizer steps (with zero, this rank's share) move to disk.
   void before_fit(frugal::Learner& l) override;
   /// The first step of each optimizer: the step's CPU allocations on this thread (its new
   /// state, and for a non-fused optimizer that step's temporaries) come from segments of their
@@ -86,7 +88,8 @@ class Offload : public frugal::Callback {
   /// too (the micro-batch search reserved nothing for it: Learner::optimizer_state_offloaded).
   void before_stage(frugal::Learner& l) override;
   /// At the end of every batch (a step may have run in it, also one step_in_backward took
-  /// inside backward): moves the state created or loaded since to disk; drops the pages.
+  /// inside backward): moves the state created or loaded since (and with `parameters`, a new
+  /// optimizer's parameters) to disk; drops the pages.
   void after_batch(frugal::Learner& l) override;
   /// After an out-of-memory error: the redirect ends (the step did not reach after_step).
   void release_caches(frugal::Learner& l) override;
@@ -96,6 +99,8 @@ class Offload : public frugal::Callback {
   /// What after_batch moved over the fit, and how many states of a type it does not know it
   /// met (left in memory).
   const Moved& moved() const { return moved_; }
+  /// The parameters `parameters = true` moved to disk over the fit.
+  const Moved& parameters_moved() const { return parameters_moved_; }
   int64_t unknown_states() const { return unknown_; }
   const std::string& folder() const { return dir_; }
 
@@ -103,10 +108,11 @@ class Offload : public frugal::Callback {
   OffloadOptions o_;
   std::shared_ptr<spdlog::logger> log_;
   std::string dir_;
-  Moved moved_;
+  Moved moved_, parameters_moved_;
   int64_t unknown_ = 0;
   int64_t redirected_for_ = -1;  // the optimizer_changes() whose first step was redirected
   std::pair<int64_t, int64_t> scanned_at_{-1, -1};  // steps(), optimizer_changes() at the last scan
+  void move_parameters(frugal::Learner& l);
   void begin_redirect();
   void end_redirect();
 };

@@ -94,11 +94,13 @@ TEST(OffloadMath, MovedStateKeepsItsValuesAndIsSteppedInPlace) {
   }
 }
 
-std::shared_ptr<off::Offload> make_plugin(const std::string& dir, std::ostringstream& out) {
+std::shared_ptr<off::Offload> make_plugin(const std::string& dir, std::ostringstream& out,
+                                          bool parameters = false) {
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
   sink->set_pattern("%n: %v");
   off::OffloadOptions o;
   o.dir = dir;
+  o.parameters = parameters;
   return std::make_shared<off::Offload>(o, PluginContext{"offload", std::make_shared<spdlog::logger>("offload", sink)});
 }
 
@@ -171,6 +173,34 @@ TEST(Offload, AFitWithTheStateOnDiskEqualsOneWithout) {
     EXPECT_TRUE(off::on_disk(saved[i])) << i;
     EXPECT_TRUE(torch::equal(saved[i], loaded[i])) << i;
   }
+}
+
+// parameters = true: the parameters the optimizer steps live in the files too, from the fit's
+// start. The forward reads them there, the step writes them in place: the weights are bitwise
+// the plain fit's, and the meter's parameter bytes (the report's steady parameters) hold none.
+TEST(Offload, ParametersOnDiskTrainTheSameWeights) {
+  TempDir dir;
+  std::ostringstream log;
+  const TinyFit plain = tiny_fit("", nullptr);
+  auto l = make_tiny_learner();
+  auto plugin = make_plugin(dir.file("p"), log, /*parameters=*/true);
+  l->add_callback(plugin);
+  l->fit(2);
+  std::vector<std::vector<float>> weights;
+  int64_t bytes = 0;
+  for (const auto& p : l->model()->parameters()) {
+    EXPECT_TRUE(off::on_disk(p));
+    bytes += static_cast<int64_t>(p.nbytes());
+    const torch::Tensor c = p.contiguous();
+    weights.emplace_back(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  EXPECT_EQ(weights, plain.weights);
+  EXPECT_EQ(plugin->parameters_moved().bytes, bytes) << "moved once, stepped in place";
+  int64_t buffers = 0;
+  for (const auto& b : l->model()->buffers()) buffers += static_cast<int64_t>(b.nbytes());
+  EXPECT_EQ(parameter_bytes(*l->model()), buffers);
+  EXPECT_EQ(l->report()["stages"][0]["steady"]["parameters"].get<int64_t>(), buffers);
+  EXPECT_NE(log.str().find("parameters: "), std::string::npos) << log.str();
 }
 
 /// Whether the learner counts the optimizer state as offloaded, at each stage's start.

@@ -176,6 +176,9 @@ void ShardedParameters::launch(size_t u) {
   std::vector<size_t> bring;
   for (size_t i : units_[u].params)
     if (uses_[i]++ == 0) bring.push_back(i);
+  // From here release(u) undoes the counts and frees what was brought, also when an allocation
+  // below fails (an out-of-memory error under the budget).
+  state_[u] = State::OnTheWire;
   for (const auto& group : groups(bring, owners_, params_)) {
     Flight f;
     f.owner = owners_[group.front()];
@@ -197,7 +200,6 @@ void ShardedParameters::launch(size_t u) {
     f.pending = w.broadcast_async(f.flat, f.owner);
     wire_[u].push_back(std::move(f));
   }
-  state_[u] = State::OnTheWire;
 }
 
 void ShardedParameters::await(size_t u) {
@@ -241,6 +243,16 @@ void ShardedParameters::unshard() {
   std::fill(uses_.begin(), uses_.end(), 0);
 }
 
+void ShardedParameters::skip_forward() {
+  release_all();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    launch(u);
+    if (prefetch_ && u + 1 < units_.size()) launch(u + 1);
+    await(u);
+    release(u);
+  }
+}
+
 void ShardedParameters::release_all() {
   for (size_t u = 0; u < units_.size(); ++u) release(u);
   for (size_t i = 0; i < params_.size(); ++i)  // the first call: the whole model is in memory
@@ -257,6 +269,7 @@ torch::Tensor ShardedParameters::forward(torch::Tensor x, bool reduce) {
   std::fill(sent_.begin(), sent_.end(), false);
   std::vector<torch::nn::AnyModule> blocks(model_->begin(), model_->end());
   for (size_t u = 0; u < units_.size(); ++u) {
+    launch(u);  // first: a weight unit u shares with u + 1 comes with u's broadcasts
     if (prefetch_ && u + 1 < units_.size()) launch(u + 1);
     await(u);
     for (int64_t b = units_[u].begin; b < units_[u].end; ++b)

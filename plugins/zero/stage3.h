@@ -38,6 +38,8 @@ class ShardedParameters final : public frugal::ParameterShards {
   ~ShardedParameters() override;
 
   void gather_all() override;
+  /// Every unit gathered and freed in turn, as a forward without grad would.
+  void skip_forward() override;
   /// Frees every parameter this rank does not own (awaiting what is still on the wire).
   void release_all() override;
   /// Every parameter gathered into storage of its own: the model whole again, independent of

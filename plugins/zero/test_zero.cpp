@@ -87,9 +87,10 @@ std::string run(TempDir& dir, const std::string& name, const std::string& optimi
   return out;
 }
 
-double max_difference(const std::string& a_out, const std::string& b_out) {
-  const auto a = safetensors::read(a_out + "/model.safetensors");
-  const auto b = safetensors::read(b_out + "/model.safetensors");
+double max_difference(const std::string& a_out, const std::string& b_out,
+                      const std::string& file = "model.safetensors") {
+  const auto a = safetensors::read(a_out + "/" + file);
+  const auto b = safetensors::read(b_out + "/" + file);
   double worst = a.size() == b.size() && !a.empty() ? 0.0 : 1e9;
   for (const auto& [k, t] : a)
     worst = std::max(worst, (t.to(torch::kDouble) - b.at(k).to(torch::kDouble)).abs().max().item<double>());
@@ -255,12 +256,21 @@ TEST(ZeroStage3Cli, HoldsItsShareOfTheParametersAndTrainsAsPlainDataParallel) {
     const auto state = rank_bytes(z3), plain = rank_bytes(dp);
     for (int r = 0; r < 2; ++r) EXPECT_LT(state[r].first, plain[r].first * 0.6) << "gradients, rank " << r;
   }
+  // With offload's parameters = true each owner's share and state live on disk: nothing of
+  // either is counted in memory between uses, and the numbers do not move.
+  const std::string dp = dir.file("adam-dp"), off = run(dir, "adam-z3-off", "adam",
+                                                         kStage3 + "[plugins.offload]\nparameters = true\n");
+  EXPECT_EQ(max_difference(dp, off), 0.0);
+  for (const auto bytes : rank_parameters(off)) EXPECT_EQ(bytes, 0);
+  for (const auto& [grads, state] : rank_bytes(off)) EXPECT_EQ(state, 0);
 }
 
 // A language model whose head is tied to the token embedding (gathered by both units that read
 // it, its gradient sent once both backwards ran), with bf16 autocast and two batches per step,
-// blocks joined into units of at least 4 KiB, and a checkpoint written mid-fit (gathered for
-// the write) that resumes on one process as plain data parallel's does.
+// blocks joined into units of at least 4 KiB, a validation whose last batch has a row for rank
+// 0 only (rank 1 takes part in the gathers without a forward), the best model kept (gathered on
+// every rank, written by rank 0), and a checkpoint written mid-fit (gathered for the write) that
+// resumes on one process as plain data parallel's does.
 TEST(ZeroStage3Cli, TrainsATiedGptWithAmpAndGradAccumAndItsCheckpointResumes) {
   TempDir dir;
   std::string corpus;
@@ -268,9 +278,10 @@ TEST(ZeroStage3Cli, TrainsATiedGptWithAmpAndGradAccumAndItsCheckpointResumes) {
   write_text(dir.file("corpus.txt"), corpus);
   auto gpt = [&](const std::string& out, const std::string& extra) {
     return "[run]\nout_dir = \"" + out + "\"\nprogress = \"log\"\nthreads = 1\nseed = 3\nwarmup = 0\n"
-           "checkpoint_every = 2\nkeep_checkpoints = 3\n"
+           "checkpoint_every = 2\nkeep_checkpoints = 3\nsave_best = \"valid_loss\"\n"
            "[data]\ndataset = \"text\"\npaths = [\"" + dir.file("corpus.txt") + "\"]\n"
-           "block_size = 32\nwindows_per_epoch = 64\nbatch_size = 8\nvalid_samples = 8\n"
+           "block_size = 32\nwindows_per_epoch = 64\nbatch_size = 8\nvalid_samples = 9\n"
+           "valid_batch_size = 4\n"
            "[model]\narch = \"gpt\"\nn_layer = 2\nn_head = 2\nn_embd = 16\n"
            "[optimizer]\nname = \"adamw\"\nlr = 0.01\n[distributed]\ntimeout = 30\n"
            "[plugins.amp]\ndtype = \"bfloat16\"\n"
@@ -283,6 +294,7 @@ TEST(ZeroStage3Cli, TrainsATiedGptWithAmpAndGradAccumAndItsCheckpointResumes) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("stage 3: "), std::string::npos) << r.output;
   EXPECT_LT(max_difference(dp, z3), 1e-6);
+  EXPECT_LT(max_difference(dp, z3, "best.safetensors"), 1e-6);
   const auto j = nlohmann::json::parse(read_text(z3 + "/report.json"));
   EXPECT_EQ(j["fit"]["optimizer_steps"], 4) << "8 batches, 2 per step";
 
@@ -301,12 +313,50 @@ TEST(ZeroStage3Cli, TrainsATiedGptWithAmpAndGradAccumAndItsCheckpointResumes) {
   EXPECT_LT(max_difference(resumed[0], resumed[1]), 1e-6);
 }
 
-TEST(ZeroStage3Cli, RefusesCheckpointingAndStage3KeysElsewhere) {
+// frugal plan predicts stage 3 by formula (the baseline less its share of the state and the
+// parameters, plus the units gathered at once) and checks itself: the measured run lands near
+// the prediction (without the gathered units it was 28% under).
+TEST(ZeroStage3Cli, PlanPredictsItsPeakFromTheShardedStateAndParameters) {
+  TempDir dir;
+  std::string t = config(dir.file("run"), "adam", kStage3);
+  t.replace(t.find("width = 64"), 10, "width = 512");
+  write_text(dir.file("p.toml"), t);
+  const std::string out = dir.file("plan");
+  const auto r = run_cli("plan " + dir.file("p.toml") + " --budget 1GiB --nproc 2 --steps 3 --check-all --out " + out,
+                         "timeout -k 5 300");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto plan = nlohmann::json::parse(read_text(out + "/plan.json"));
+  bool found = false;
+  for (const auto& m : plan["measured"]) {
+    if (m.value("name", "") != "zero") continue;
+    found = true;
+    EXPECT_NE(m["formula"].get<std::string>().find("parameters"), std::string::npos) << m.dump();
+    const int64_t state = m["optimizer_state_bytes"], params = m["parameter_bytes"];
+    EXPECT_GT(params, 0) << m.dump();
+    const int64_t gathered = m["gathered_bytes"];
+    EXPECT_GT(gathered, 0) << m.dump();
+    EXPECT_EQ(m["saved_bytes"].get<int64_t>(), (state + params) / 2 - gathered) << m.dump();
+  }
+  EXPECT_TRUE(found) << plan.dump(1);
+  for (const auto& c : plan["combinations"])
+    if (c["techniques"] == nlohmann::json::array({"zero"})) {
+      ASSERT_TRUE(c.contains("measured_peak_bytes")) << c.dump();
+      EXPECT_LE(std::abs(c["error_percent"].get<double>()), 20.0) << c.dump();
+    }
+}
+
+TEST(ZeroStage3Cli, RefusesCheckpointingTheMicroBatchProbeAndStage3KeysElsewhere) {
   TempDir dir;
   const auto both = train2(dir, "ck", config(dir.file("ck"), "adam", kStage3 + "[plugins.checkpoint]\n"));
   EXPECT_NE(both.exit_code, 0);
   EXPECT_NE(both.output.find("checkpoint"), std::string::npos) << both.output;
   EXPECT_NE(both.output.find("zero"), std::string::npos) << both.output;
+  std::string t = config(dir.file("auto"), "adam", kStage3);
+  t.replace(t.find("warmup = 0\n"), 11, "warmup = 0\nmemory_budget = \"1GiB\"\nmicro_batch = \"auto\"\n");
+  const auto probe = train2(dir, "auto", t);
+  EXPECT_NE(probe.exit_code, 0);
+  EXPECT_NE(probe.output.find("plugins.zero.stage = 3 cannot run with run.micro_batch = \"auto\""),
+            std::string::npos) << probe.output;
   write_text(dir.file("k.toml"), config(dir.file("k"), "adam", kStage2 + "unit_bytes = 100\n"));
   const auto key = run_cli("check " + dir.file("k.toml"));
   EXPECT_NE(key.exit_code, 0);

@@ -207,6 +207,11 @@ void Zero::before_fit(frugal::Learner& l) {
   l.set_per_rank_optimizer_state(true);
   shard_optimizer(l);
   if (o_.stage == 3) {
+    if (l.oom_policy().auto_micro_batch)
+      frugal::throw_config_error(
+          "plugins.zero.stage = 3 cannot run with run.micro_batch = \"auto\": each rank's probe "
+          "gathers the parameters with the others, and ranks whose probes differ would wait for "
+          "each other; set run.micro_batch to a size or leave it unset");
     shards_ = std::make_unique<ShardedParameters>(l.model(), owners_, o_.unit_bytes, o_.prefetch);
     shards_->release_all();
     l.set_parameter_shards(shards_.get());
@@ -278,6 +283,21 @@ void Zero::after_backward(frugal::Learner& l) {
   if (!active() || o_.stage != 2) return;
   if (!l.completes_step()) return;
   reduced_ += reduce_to_owners(l.model()->parameters(), owners_, bucket_bytes_);
+}
+
+void Zero::before_batch(frugal::Learner& l) {
+  if (shards_ && l.training() && l.micro_batch_size() > 0)
+    frugal::throw_config_error(
+        "plugins.zero.stage = 3 cannot split batches into micro-batches (run.micro_batch = " +
+        std::to_string(l.micro_batch_size()) + ", or grad_accum's mode = \"split\"): a rank "
+        "with one row fewer may run one forward fewer, and every forward gathers with every "
+        "rank; use grad_accum's mode = \"accumulate\" or leave run.micro_batch unset");
+}
+
+std::string Zero::retry_veto(const frugal::Learner&) const {
+  if (!shards_) return {};
+  return "zero stage 3 gathers the parameters with every rank in each forward: a retry on this "
+         "rank alone would wait for ranks that went on (use a smaller batch or more ranks)";
 }
 
 void Zero::before_step(frugal::Learner& l) {

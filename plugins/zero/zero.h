@@ -95,8 +95,14 @@ class Zero : public frugal::Callback {
   void before_stage(frugal::Learner& l) override;
   /// Stage 2, on the step's last micro-batch: each bucket reduced to its owner.
   void after_backward(frugal::Learner& l) override;
+  /// Stage 3: refuses micro-batches (each rank would run its own number of forwards, and every
+  /// forward gathers with every rank).
+  void before_batch(frugal::Learner& l) override;
   /// Notes the gradient bytes the step starts with.
   void before_step(frugal::Learner& l) override;
+  /// Stage 3 in a distributed run: an out-of-memory retry would run one rank's forward again
+  /// alone, its gathers waiting for ranks that went on.
+  std::string retry_veto(const frugal::Learner& l) const override;
   /// Every owner broadcasts the parameters it stepped (stage 3: the next gathers bring them).
   void after_step(frugal::Learner& l) override;
   /// Each rank's bytes gathered to rank 0 and logged; gives data_parallel its sync back;

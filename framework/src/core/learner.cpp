@@ -95,6 +95,7 @@ size_t Learner::remove_callback(const std::string& name) {
 }
 
 void Learner::clear_callbacks() {
+  shards_ = nullptr;  // registered by a callback going away
   callbacks_.clear();
   forward_wrappers_.clear();
 }

@@ -140,7 +140,11 @@ size_t Learner::start_fit(const std::vector<Stage>& stages) {
 void Learner::run_stages(size_t first_stage) {
   state_offloaded_ = false;  // a callback that offloads says so again
   sync_reserve_ = 0;         // a gradient sync says so in before_stage
-  shards_ = nullptr;         // a sharding callback registers in before_fit
+  if (shards_)  // a fit that failed left them: null or borrowed storage, not the model
+    throw_usage_error(
+        "Learner::fit: the model's parameters are still sharded by the fit that failed before "
+        "(zero stage 3 frees the parameters a rank does not own): make a new Learner and resume "
+        "from the last checkpoint");
   fire(Event::BeforeFit);
   if (resume_ && first_stage >= stages_.size()) apply_resume();  // the fit had ended
   for (size_t i = first_stage; i < stages_.size() && !stop_fit_; ++i) {
@@ -401,7 +405,12 @@ double Learner::validate() {
   const bool was_training = model_->is_training();
   model_->eval();
   fire(Event::BeforeValidate);
-  valid_sums_ = score(*valid_, [this](const torch::Tensor& x) { return forward(x); }, device_);
+  // Sharded parameters: a rank without rows of a batch still takes part in its gathers.
+  valid_sums_ = score(
+      *valid_, [this](const torch::Tensor& x) { return forward(x); }, device_,
+      [this] {
+        if (shards_) shards_->skip_forward();
+      });
   sum_across_ranks(collective(), valid_sums_);  // data parallel: each rank scored its shard
   fire(Event::AfterValidate);
   if (was_training) model_->train();

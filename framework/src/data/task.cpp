@@ -78,12 +78,15 @@ namespace {
 /// Squared errors summed in double: one output per target.
 MetricSums score_regression(const DataLoader& data,
                             const std::function<torch::Tensor(const torch::Tensor&)>& forward,
-                            torch::Device device) {
+                            torch::Device device, const std::function<void()>& skipped) {
   torch::NoGradGuard no_grad;
   auto sq_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
   int64_t count = 0;
   for (int64_t i = 0; i < data.num_batches(); ++i) {
-    if (data.rows(i) == 0) continue;  // data parallel: another rank scores this last batch
+    if (data.rows(i) == 0) {  // data parallel: another rank scores this last batch
+      if (skipped) skipped();
+      continue;
+    }
     const Batch b = data.batch(i);
     const torch::Tensor pred = forward(b.x);
     if (pred.numel() != b.y.numel())
@@ -98,8 +101,9 @@ MetricSums score_regression(const DataLoader& data,
 }  // namespace
 
 MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const torch::Tensor&)>& forward,
-                 torch::Device device) {
-  if (task_for(data.dataset()).kind == TaskKind::Regression) return score_regression(data, forward, device);
+                 torch::Device device, const std::function<void()>& skipped) {
+  if (task_for(data.dataset()).kind == TaskKind::Regression)
+    return score_regression(data, forward, device, skipped);
   namespace F = torch::nn::functional;
   torch::NoGradGuard no_grad;
   auto correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(device));
@@ -110,7 +114,10 @@ MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const
       text && data.dataset().token_bytes.defined() ? data.dataset().token_bytes.to(device, torch::kDouble) : torch::Tensor();
   int64_t count = 0;
   for (int64_t i = 0; i < data.num_batches(); ++i) {
-    if (data.rows(i) == 0) continue;  // data parallel: another rank scores this last batch
+    if (data.rows(i) == 0) {  // data parallel: another rank scores this last batch
+      if (skipped) skipped();
+      continue;
+    }
     const Batch b = data.batch(i);
     const torch::Tensor pred = forward(b.x);
     auto logits = pred.reshape({-1, pred.size(-1)});

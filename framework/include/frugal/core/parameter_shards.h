@@ -16,6 +16,9 @@ class ParameterShards {
   virtual void gather_all() = 0;
   /// Frees again what gather_all brought in (this rank's own shard stays).
   virtual void release_all() = 0;
+  /// A forward this rank does not run (a validation batch it has no row of) while the others
+  /// do: takes part in its gathers.
+  virtual void skip_forward() = 0;
 };
 
 /// Every parameter in memory for the scope's life: a no-op without shards, nested scopes

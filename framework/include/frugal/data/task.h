@@ -71,9 +71,10 @@ Task task_for(const Dataset& d);
 /// summed over the target elements, the argmax hits and the element count, summed on `device`
 /// and synced once. A regression dataset (task_for) sums squared errors (in double) instead,
 /// with correct = -1: no argmax, no cross-entropy. What validation (Learner::validate, through the forward chain) and
-/// `frugal evaluate` (the bare model) report.
+/// `frugal evaluate` (the bare model) report. `skipped` runs for a batch this rank has no row
+/// of (data parallel's last batch), in place of its forward.
 MetricSums score(const DataLoader& data, const std::function<torch::Tensor(const torch::Tensor&)>& forward,
-                 torch::Device device);
+                 torch::Device device, const std::function<void()>& skipped = {});
 
 /// A metric read back from a report's "valid_metric" object (ablate, plan).
 TaskMetric metric_from_json(const nlohmann::json& j);
