@@ -21,7 +21,15 @@ settings = [("data parallel", False, 1, False, False), ("stage 1", True, 1, Fals
             ("stage 3", True, 3, False, False), ("stage 3 + offload", True, 3, True, False),
             ("stage 3 + offload with parameters", True, 3, True, True)]
 
+done = {}
+
 def run(name, zero, stage, offload, params, layers):
+    if (name, layers) in done:
+        return done[name, layers]
+    done[name, layers] = measure(name, zero, stage, offload, params, layers)
+    return done[name, layers]
+
+def measure(name, zero, stage, offload, params, layers):
     d = os.path.join(out, f"{name.replace(' ', '').replace('+', '-')}-L{layers}")
     cmd = [exe, "train", toml, "--nproc", nproc, "--set", f"model.n_layer={layers}",
            "--set", f'run.memory_budget="{budget}"', "--set", f"plugins.zero.enabled={str(zero).lower()}",

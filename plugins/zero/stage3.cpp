@@ -56,8 +56,12 @@ int64_t padded(const torch::Tensor& p) {
   return (p.numel() + a - 1) / a * a;
 }
 
-// `params` grouped by owner (ascending) and dtype, each group in the given order: every rank
-// builds the same groups, so the collectives stay in step.
+// A parameter this large goes on the wire alone: its owner sends it as it is (no flat copy).
+constexpr int64_t kAloneBytes = 1 << 20;
+
+// `params` grouped by owner (ascending) and dtype, each group in the given order, a parameter
+// of kAloneBytes or more in a group of its own: every rank builds the same groups, so the
+// collectives stay in step.
 std::vector<std::vector<size_t>> groups(const std::vector<size_t>& params, const std::vector<int>& owners,
                                         const std::vector<torch::Tensor>& tensors) {
   std::vector<std::vector<size_t>> out;
@@ -65,12 +69,15 @@ std::vector<std::vector<size_t>> groups(const std::vector<size_t>& params, const
   for (size_t i : params) sorted_owners.push_back(owners[i]);
   std::sort(sorted_owners.begin(), sorted_owners.end());
   sorted_owners.erase(std::unique(sorted_owners.begin(), sorted_owners.end()), sorted_owners.end());
+  const auto alone = [&](size_t i) { return static_cast<int64_t>(tensors[i].nbytes()) >= kAloneBytes; };
   for (int r : sorted_owners) {
     const size_t first = out.size();
     for (size_t i : params) {
       if (owners[i] != r) continue;
       size_t g = first;
-      while (g < out.size() && tensors[out[g].front()].scalar_type() != tensors[i].scalar_type()) ++g;
+      while (g < out.size() && (alone(i) || alone(out[g].front()) ||
+                                tensors[out[g].front()].scalar_type() != tensors[i].scalar_type()))
+        ++g;
       if (g == out.size()) out.emplace_back();
       out[g].push_back(i);
     }
@@ -182,6 +189,12 @@ void ShardedParameters::launch(size_t u) {
   for (const auto& group : groups(bring, owners_, params_)) {
     Flight f;
     f.owner = owners_[group.front()];
+    if (group.size() == 1 && f.owner == rank_) {  // the owner's one parameter, sent as it is
+      f.flat = params_[group.front()].detach().reshape(-1);
+      f.pending = w.broadcast_async(f.flat, f.owner);
+      wire_[u].push_back(std::move(f));
+      continue;
+    }
     int64_t numel = 0;
     for (size_t i : group) numel += padded(params_[i]);
     f.flat = torch::empty({numel}, params_[group.front()].options().requires_grad(false));
@@ -335,7 +348,9 @@ void ShardedParameters::send_gradients(const std::vector<size_t>& params) {
       grads.push_back(p.grad());
       sent_bytes_ += static_cast<int64_t>(nbytes_[i]);
     }
-    f.flat = grads.size() == 1 ? grads.front().reshape(-1).clone() : at::flatten_dense_tensors(grads);
+    // One gradient goes on the wire as it is (the owner's sum lands in it); several, flattened.
+    f.flat = grads.size() == 1 && grads.front().is_contiguous() ? grads.front().view(-1)
+                                                                : at::flatten_dense_tensors(grads);
     f.pending = w.reduce_async(f.flat, f.owner);
     if (f.owner != rank_)
       for (size_t i : group) torch::Tensor(params_[i]).mutable_grad().reset();
@@ -350,6 +365,7 @@ void ShardedParameters::await_reduces() {
     f.pending.wait();
     if (f.owner != rank_) continue;
     f.flat.mul_(inv);  // as data_parallel: the sum, then the mean (Gloo has no AVG)
+    if (f.params.size() == 1 && f.flat.is_alias_of(params_[f.params.front()].grad())) continue;
     std::vector<torch::Tensor> grads;
     for (size_t i : f.params) grads.push_back(params_[i].grad());
     const auto parts = at::unflatten_dense_tensors(f.flat, grads);

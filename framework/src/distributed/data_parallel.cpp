@@ -240,7 +240,9 @@ size_t DataParallel::flag_slot() {
 void DataParallel::before_fit(Learner& l) {
   syncs_ = bytes_ = buckets_ = in_backward_ = 0;
   synced_batch_ = false;
-  broadcast_tensors(model_tensors(*l.model(), true, true), bucket_bytes_);
+  // Once per fit: small buckets keep the flat copy small (a model near the budget starts here,
+  // whole on every rank), at the cost of a few more collectives.
+  broadcast_tensors(model_tensors(*l.model(), true, true), std::min(kFirstBucketBytes, bucket_bytes_));
 }
 
 // The stage's trained parameters (its freeze applied) make the buckets.

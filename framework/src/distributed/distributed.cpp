@@ -417,6 +417,13 @@ void broadcast_tensors(const std::vector<torch::Tensor>& tensors, int64_t bucket
   int64_t bytes = 0;
   auto flush = [&] {
     if (bucket.empty()) return;
+    if (bucket.size() == 1 && bucket.front().is_contiguous()) {  // into the tensor itself: no copy
+      torch::Tensor t = bucket.front();
+      w.broadcast(t, root);
+      bucket.clear();
+      bytes = 0;
+      return;
+    }
     torch::Tensor flat = at::flatten_dense_tensors(bucket);
     w.broadcast(flat, root);
     const auto parts = at::unflatten_dense_tensors(flat, bucket);

@@ -111,7 +111,8 @@ class World final : public Collective {
   torch::Device device_ = torch::kCPU;
 };
 
-/// Copies `params` (then `buffers`) of rank `root` to every rank, in buckets of `bucket_bytes`.
+/// Copies `params` (then `buffers`) of rank `root` to every rank, in buckets of `bucket_bytes`
+/// (a bucket of one contiguous tensor goes on the wire as it is, without a flat copy).
 void broadcast_tensors(const std::vector<torch::Tensor>& tensors, int64_t bucket_bytes, int root = 0);
 
 }  // namespace frugal
