@@ -338,10 +338,15 @@ std::vector<pid_t> children_of(pid_t pid) {
 }
 
 // A lost rank ends the run; its last checkpoint then resumes in one process (the lost node is
-// not needed back): the optimizer state and the data position carry over.
-TEST(DataParallelCli, ARankThatDiesEndsTheWholeRunAndItsCheckpointResumesOnFewerRanks) {
+// not needed back): the optimizer state and the data position carry over. Also with zero
+// stage 3, whose checkpoints gather the parameters each rank keeps only a share of.
+class RankLost : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(DataParallelCli, RankLost, ::testing::Values("", "[plugins.zero]\nstage = 3\n"),
+                         [](const auto& p) { return p.param.empty() ? "DataParallel" : "ZeroStage3"; });
+
+TEST_P(RankLost, ARankThatDiesEndsTheWholeRunAndItsCheckpointResumesOnFewerRanks) {
   TempDir dir;
-  std::string cfg = dp_config(dir.file("run"), "", 20000, "adam");
+  std::string cfg = dp_config(dir.file("run"), GetParam(), 20000, "adam");
   cfg.replace(cfg.find("seed = 5\n"), 9, "seed = 5\ncheckpoint_every = 2\n");
   write_text(dir.file("run.toml"), cfg);
   const pid_t pid = start_train({"train", dir.file("run.toml"), "--nproc", "2"}, dir.file("log"));
