@@ -28,11 +28,13 @@
 #include <cmath>
 #include <filesystem>
 #include <iomanip>
+#include <numeric>
 #include <sstream>
 
 #include "ablation.h"
 #include "frugal/base/error.h"
 #include "frugal/app/run.h"
+#include "frugal/core/parameter_shards.h"
 #include "frugal/io/file_writer.h"
 #include "frugal/memory/memory.h"
 
@@ -135,18 +137,14 @@ int64_t stage3_gathered_bytes(const Config& c) {
     unit_bytes = (*z)["unit_bytes"].value_or(int64_t{0});
     prefetch = (*z)["prefetch"].value_or(true);
   }
-  std::vector<int64_t> units;
-  int64_t held = 0;
-  for (const auto& block : make_config_model(c)->children()) {
-    int64_t bytes = 0;
-    for (const auto& p : block->parameters()) bytes += static_cast<int64_t>(p.nbytes());
-    if (units.empty() || held >= std::max<int64_t>(unit_bytes, 1)) {
-      units.push_back(0);
-      held = 0;
-    }
-    units.back() += bytes;
-    held += bytes;
+  std::vector<int64_t> blocks;
+  for (const auto& block : make_config_model(c)->children()) {  // parameters only: buffers stay
+    blocks.push_back(0);
+    for (const auto& p : block->parameters()) blocks.back() += static_cast<int64_t>(p.nbytes());
   }
+  std::vector<int64_t> units;
+  for (const auto& [begin, end] : plan_units(blocks, unit_bytes))
+    units.push_back(std::accumulate(blocks.begin() + begin, blocks.begin() + end, int64_t{0}));
   int64_t most = 0;
   for (size_t u = 0; u < units.size(); ++u)
     most = std::max(most, units[u] + (prefetch && u + 1 < units.size() ? units[u + 1] : 0));

@@ -268,6 +268,7 @@ void Offload::before_fit(frugal::Learner& l) {
 // The optimizer's parameters (each rank's share under zero: it runs after zero's before_fit),
 // moved once; a stage's or a swap's new optimizer steps the same tensors, already there.
 void Offload::move_parameters(frugal::Learner& l) {
+  parameters_at_ = l.optimizer_changes();
   if (!o_.parameters) return;
   std::vector<torch::Tensor> ps;
   for (const auto& g : l.optimizer().param_groups())
@@ -331,7 +332,7 @@ void Offload::after_batch(frugal::Learner& l) {
   const Moved m = move_to_disk(fresh, dir_);
   moved_.tensors += m.tensors;
   moved_.bytes += m.bytes;
-  move_parameters(l);
+  if (l.optimizer_changes() != parameters_at_) move_parameters(l);  // a new optimizer's, once
   if (o_.drop_pages) drop_pages();
 }
 

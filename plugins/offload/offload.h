@@ -109,6 +109,7 @@ class Offload : public frugal::Callback {
   std::shared_ptr<spdlog::logger> log_;
   std::string dir_;
   Moved moved_, parameters_moved_;
+  int64_t parameters_at_ = -1;  // the optimizer_changes() whose parameters were moved
   int64_t unknown_ = 0;
   int64_t redirected_for_ = -1;  // the optimizer_changes() whose first step was redirected
   std::pair<int64_t, int64_t> scanned_at_{-1, -1};  // steps(), optimizer_changes() at the last scan

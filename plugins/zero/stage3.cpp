@@ -14,21 +14,6 @@
 
 namespace frugal::zero {
 
-std::vector<std::pair<int64_t, int64_t>> plan_units(const std::vector<int64_t>& block_bytes,
-                                                    int64_t unit_bytes) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  int64_t held = 0;
-  for (int64_t b = 0; b < static_cast<int64_t>(block_bytes.size()); ++b) {
-    if (out.empty() || held >= std::max<int64_t>(unit_bytes, 1)) {
-      out.emplace_back(b, b);
-      held = 0;
-    }
-    out.back().second = b + 1;
-    held += block_bytes[static_cast<size_t>(b)];
-  }
-  return out;
-}
-
 namespace {
 
 c10::StorageImpl& storage_of(const torch::Tensor& p) { return *p.storage().unsafeGetStorageImpl(); }
@@ -191,27 +176,30 @@ void ShardedParameters::launch(size_t u) {
     f.owner = owners_[group.front()];
     if (group.size() == 1 && f.owner == rank_) {  // the owner's one parameter, sent as it is
       f.flat = params_[group.front()].detach().reshape(-1);
-      f.pending = w.broadcast_async(f.flat, f.owner);
-      wire_[u].push_back(std::move(f));
-      continue;
-    }
-    int64_t numel = 0;
-    for (size_t i : group) numel += padded(params_[i]);
-    f.flat = torch::empty({numel}, params_[group.front()].options().requires_grad(false));
-    int64_t at = 0;
-    for (size_t i : group) {
-      const torch::Tensor& p = params_[i];
-      if (f.owner == rank_) {
-        f.flat.narrow(0, at, p.numel()).copy_(p.detach().reshape(-1));
-      } else {
-        point_into(p, f.flat, at, nbytes_[i]);
-        holder_[i] = f.flat;
-        gathered_ += static_cast<int64_t>(nbytes_[i]);
-      }
-      at += padded(p);
+    } else {
+      fill_flat(f, group);
     }
     f.pending = w.broadcast_async(f.flat, f.owner);
     wire_[u].push_back(std::move(f));
+  }
+}
+
+// A group's flat: the owner copies its parameters in; a receiver's parameters point into it.
+void ShardedParameters::fill_flat(Flight& f, const std::vector<size_t>& group) {
+  int64_t numel = 0;
+  for (size_t i : group) numel += padded(params_[i]);
+  f.flat = torch::empty({numel}, params_[group.front()].options().requires_grad(false));
+  int64_t at = 0;
+  for (size_t i : group) {
+    const torch::Tensor& p = params_[i];
+    if (f.owner == rank_) {
+      f.flat.narrow(0, at, p.numel()).copy_(p.detach().reshape(-1));
+    } else {
+      point_into(p, f.flat, at, nbytes_[i]);
+      holder_[i] = f.flat;
+      gathered_ += static_cast<int64_t>(nbytes_[i]);
+    }
+    at += padded(p);
   }
 }
 

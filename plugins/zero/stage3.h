@@ -23,12 +23,6 @@ struct Unit {
   int64_t bytes = 0;           ///< the parameters' bytes
 };
 
-/// Consecutive blocks joined into units: a unit closes once its bytes reach `unit_bytes`
-/// (0: every block is its own unit, FSDP's wrapping of each block; a block without parameters
-/// joins the next).
-std::vector<std::pair<int64_t, int64_t>> plan_units(const std::vector<int64_t>& block_bytes,
-                                                    int64_t unit_bytes);
-
 class ShardedParameters final : public frugal::ParameterShards {
  public:
   /// Throws ConfigError when a parameter shares its storage with another tensor (it could not
@@ -72,6 +66,7 @@ class ShardedParameters final : public frugal::ParameterShards {
     int owner = 0;
   };
   void launch(size_t u);
+  void fill_flat(Flight& f, const std::vector<size_t>& group);
   void await(size_t u);
   void release(size_t u);
   void before_unit_backward(size_t u);

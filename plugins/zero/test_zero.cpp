@@ -49,12 +49,12 @@ TEST(ZeroMath, BucketsHoldOneOwnersTrainableParametersUpToTheCap) {
 
 TEST(ZeroMath, Stage3UnitsCloseOnceTheirBlocksReachTheBytes) {
   using Units = std::vector<std::pair<int64_t, int64_t>>;
-  EXPECT_EQ(z::plan_units({10, 20, 30, 5}, 0), (Units{{0, 1}, {1, 2}, {2, 3}, {3, 4}})) << "each block";
-  EXPECT_EQ(z::plan_units({10, 0, 30, 5}, 0), (Units{{0, 1}, {1, 3}, {3, 4}}))
+  EXPECT_EQ(plan_units({10, 20, 30, 5}, 0), (Units{{0, 1}, {1, 2}, {2, 3}, {3, 4}})) << "each block";
+  EXPECT_EQ(plan_units({10, 0, 30, 5}, 0), (Units{{0, 1}, {1, 3}, {3, 4}}))
       << "a block without parameters joins the next";
-  EXPECT_EQ(z::plan_units({10, 0, 30, 5}, 35), (Units{{0, 3}, {3, 4}}));
-  EXPECT_EQ(z::plan_units({10, 0, 30, 5}, 1000), (Units{{0, 4}})) << "one unit: the whole model";
-  EXPECT_TRUE(z::plan_units({}, 0).empty());
+  EXPECT_EQ(plan_units({10, 0, 30, 5}, 35), (Units{{0, 3}, {3, 4}}));
+  EXPECT_EQ(plan_units({10, 0, 30, 5}, 1000), (Units{{0, 4}})) << "one unit: the whole model";
+  EXPECT_TRUE(plan_units({}, 0).empty());
 }
 
 // ---------------------------------------------------------------- two ranks on loopback

@@ -131,7 +131,6 @@ class Zero : public frugal::Callback {
   int64_t step_gradients_ = 0, reduced_ = 0, broadcast_ = 0, steps_ = 0;
   std::vector<RankBytes> ranks_;
   std::unique_ptr<ShardedParameters> shards_;  // stage 3, during a fit
-  int64_t gathered_ = 0;
 };
 
 }  // namespace frugal::zero

@@ -354,15 +354,4 @@ void Learner::destroy() {
   memory().empty_cache();  // what the model and the optimizer held
 }
 
-FullParameters::FullParameters(Learner& l) : shards_(l.parameter_shards()) {
-  if (!shards_) return;
-  if (l.full_parameter_scopes_ == 0) shards_->gather_all();  // may throw: nothing to undo yet
-  ++l.full_parameter_scopes_;
-  learner_ = &l;
-}
-
-FullParameters::~FullParameters() {
-  if (learner_ && --learner_->full_parameter_scopes_ == 0) shards_->release_all();
-}
-
 }  // namespace frugal

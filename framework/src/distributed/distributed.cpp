@@ -418,16 +418,13 @@ void broadcast_tensors(const std::vector<torch::Tensor>& tensors, int64_t bucket
   auto flush = [&] {
     if (bucket.empty()) return;
     if (bucket.size() == 1 && bucket.front().is_contiguous()) {  // into the tensor itself: no copy
-      torch::Tensor t = bucket.front();
-      w.broadcast(t, root);
-      bucket.clear();
-      bytes = 0;
-      return;
+      w.broadcast(bucket.front(), root);
+    } else {
+      torch::Tensor flat = at::flatten_dense_tensors(bucket);
+      w.broadcast(flat, root);
+      const auto parts = at::unflatten_dense_tensors(flat, bucket);
+      for (size_t i = 0; i < bucket.size(); ++i) bucket[i].copy_(parts[i]);
     }
-    torch::Tensor flat = at::flatten_dense_tensors(bucket);
-    w.broadcast(flat, root);
-    const auto parts = at::unflatten_dense_tensors(flat, bucket);
-    for (size_t i = 0; i < bucket.size(); ++i) bucket[i].copy_(parts[i]);
     bucket.clear();
     bytes = 0;
   };

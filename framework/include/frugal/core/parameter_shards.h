@@ -5,6 +5,10 @@
 /// (a checkpoint, the best model's export) holds a FullParameters for the time it reads, as
 /// FSDP's summon_full_params. Gathering is a collective: every rank must hold one at the same
 /// point of the fit.
+#include <cstdint>
+#include <utility>
+#include <vector>
+
 namespace frugal {
 
 class Learner;
@@ -20,6 +24,13 @@ class ParameterShards {
   /// do: takes part in its gathers.
   virtual void skip_forward() = 0;
 };
+
+/// The units a sharded model is gathered in: consecutive top-level blocks [begin, end), a unit
+/// closing once its parameter bytes reach `unit_bytes` (0: every block is its own unit, FSDP's
+/// wrapping of each block; a block without parameters joins the next). zero stage 3 gathers by
+/// them; `frugal plan` predicts the bytes they hold at once.
+std::vector<std::pair<int64_t, int64_t>> plan_units(const std::vector<int64_t>& block_bytes,
+                                                    int64_t unit_bytes);
 
 /// Every parameter in memory for the scope's life: a no-op without shards, nested scopes
 /// gather once.
