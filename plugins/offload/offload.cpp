@@ -220,30 +220,65 @@ int64_t drop_pages() {
 void OffloadOptions::visit(frugal::FieldVisitor& v) {
   // Where the state lives does not change a number the run computes.
   v.field("to", to,
-          frugal::outside_training("where the optimizer state goes: \"disk\" (memory-mapped files; "
-                                   "\"cpu\", CUDA state to pinned host memory, is not written)"),
-          {"disk"});
+          frugal::outside_training("where the optimizer state goes: \"disk\" (a CPU run: "
+                                   "memory-mapped files) or \"cpu\" (a CUDA run: host memory, "
+                                   "pinned; the step runs on the host over copies of the "
+                                   "parameters, ZeRO-Offload)"),
+          {"disk", "cpu"});
   v.field("dir", dir,
-          frugal::outside_training("the folder of the state files (unlinked as soon as mapped); "
-                                   "default: <run.out_dir>/offload, or the system's temp folder"));
+          frugal::outside_training("to = \"disk\": the folder of the state files (unlinked as "
+                                   "soon as mapped); default: <run.out_dir>/offload, or the "
+                                   "system's temp folder"));
   v.field("drop_pages", drop_pages,
-          frugal::outside_training("after each step, drop the state's pages from the process "
-                                   "(they stay in the file and the page cache)"));
+          frugal::outside_training("to = \"disk\": after each step, drop the state's pages from "
+                                   "the process (they stay in the file and the page cache)"));
   v.field("parameters", parameters,
-          frugal::outside_training("keep the parameters the optimizer steps in the files too "
-                                   "(with zero, this rank's share; stage 3 gathers the others "
-                                   "into memory for each unit): the forward reads them from the "
-                                   "page cache, the step writes them in place"));
+          frugal::outside_training("to = \"disk\": keep the parameters the optimizer steps in "
+                                   "the files too (with zero, this rank's share; stage 3 gathers "
+                                   "the others into memory for each unit): the forward reads "
+                                   "them from the page cache, the step writes them in place"));
+}
+
+void OffloadOptions::check() const {
+  if (to != "cpu") return;
+  const auto refuse = [](const std::string& key) {
+    frugal::throw_config_error("plugins.offload." + key +
+                               " applies to to = \"disk\" only (this to = \"cpu\": the state "
+                               "lives in host memory, the parameters on the device): remove it");
+  };
+  if (!dir.empty()) refuse("dir");
+  if (!drop_pages) refuse("drop_pages");
+  if (parameters) refuse("parameters");
+}
+
+frugal::CallbackRelations Offload::relations() const {
+  if (!host()) return {};
+  return {{}, {"step_in_backward"}, false};
 }
 
 Offload::Offload(const OffloadOptions& o, const frugal::PluginContext& ctx) : o_(o), log_(ctx.logger) {}
 
-void Offload::before_fit(frugal::Learner& l) {
-  if (!l.device().is_cpu())
+void Offload::attach(frugal::Learner& l) {
+  const torch::Device d = l.device();
+  if (!host() && !d.is_cpu())
     frugal::throw_config_error(
-        "plugins.offload keeps the optimizer state of a CPU run on disk; this run is on " +
-        l.device().str() + ", where the state would have to be stepped on the CPU (offload to "
-        "pinned host memory, not written): remove [plugins.offload] or run on the CPU");
+        "plugins.offload.to = \"disk\" keeps the optimizer state of a CPU run on disk; this run "
+        "is on " + d.str() + ": set plugins.offload.to = \"cpu\" (the state in pinned host "
+        "memory, stepped on the host) or remove [plugins.offload]");
+  if (host() && !d.is_cuda() && !host_on_cpu_)
+    frugal::throw_config_error(
+        "plugins.offload.to = \"cpu\" moves a CUDA run's optimizer step and state to host "
+        "memory; this run is on " + d.str() + ", already host memory: set plugins.offload.to = "
+        "\"disk\" (memory-mapped files) or remove [plugins.offload]");
+}
+
+void Offload::before_fit(frugal::Learner& l) {
+  if (host()) {
+    host_.emplace(l.device());
+    host_for_ = -1;
+    l.set_optimizer_state_offloaded(true);  // the device never holds it
+    return;
+  }
   l.set_optimizer_state_offloaded(true);
   moved_ = {};
   unknown_ = 0;
@@ -301,16 +336,36 @@ void Offload::end_redirect() {
 // its state: on disk, through the redirect. Last of the before_step hooks: nothing but the
 // step (and callbacks told of an optimizer replaced) runs between here and after_step.
 void Offload::before_step(frugal::Learner& l) {
+  if (host_) {
+    if (l.step_skipped() || l.batch_skipped()) return;
+    if (l.optimizer_changes() != host_for_) {  // another optimizer: its own masters
+      host_->reset();
+      host_for_ = l.optimizer_changes();
+    }
+    host_->to_host(l.optimizer());
+    return;
+  }
   if (l.step_skipped() || l.batch_skipped() || l.optimizer_changes() == redirected_for_) return;
   redirected_for_ = l.optimizer_changes();
   begin_redirect();
 }
 
-void Offload::after_step(frugal::Learner&) { end_redirect(); }
+void Offload::after_step(frugal::Learner&) {
+  if (host_ && host_->on_host()) host_->to_device(/*stepped=*/true);
+  end_redirect();
+}
+
+// A step that failed, or did not come (another callback skipped it after before_step): the
+// parameters point at their device storage again.
+void Offload::back_to_device() {
+  if (host_ && host_->on_host()) host_->to_device(/*stepped=*/false);
+}
 
 void Offload::before_stage(frugal::Learner&) { redirected_for_ = -1; }
 
 void Offload::after_batch(frugal::Learner& l) {
+  back_to_device();
+  if (host_) return;
   end_redirect();  // also when the step failed
   // New state comes with a step or another optimizer (a resume's loads before its first step):
   // an accumulation group's inner batches have nothing to move or drop.
@@ -347,10 +402,23 @@ StateBytes state_bytes(torch::optim::Optimizer& opt) {
   return b;
 }
 
-void Offload::release_caches(frugal::Learner&) { end_redirect(); }
+void Offload::release_caches(frugal::Learner&) {
+  back_to_device();
+  end_redirect();
+}
 
 void Offload::after_fit(frugal::Learner& l) {
   end_redirect();
+  if (host_) {
+    back_to_device();
+    const HostStep::Bytes b = host_->bytes();
+    log_->info("the step ran on the host: masters {}, gradients {}, optimizer state {} in {} host "
+               "memory{}",
+               frugal::format_bytes(b.masters), frugal::format_bytes(b.gradients),
+               frugal::format_bytes(b.state), l.device().is_cuda() ? "pinned" : "plain",
+               host_->unknown_states() ? "; states of an unknown type stayed where the step made them" : "");
+    return;
+  }
   const StateBytes b = state_bytes(l.optimizer());
   log_->info("optimizer state: {} in memory-mapped files in {}, {} in memory ({} moved in {} "
              "tensors over the fit{})",

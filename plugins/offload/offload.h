@@ -7,6 +7,9 @@
 /// the page cache's: the kernel writes them back and drops them under pressure, and with
 /// drop_pages they leave the process after each step. What the memory budget counts (the
 /// allocator's live bytes) no longer holds the state; the disk does.
+///
+/// `to = "cpu"` is the same cure for a CUDA run (host_step.h): the optimizer steps host copies
+/// of the parameters, its state in pinned host memory.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -17,6 +20,8 @@
 #include <frugal/core/learner.h>
 #include <frugal/plugin.h>
 #include <torch/torch.h>
+
+#include "host_step.h"
 
 namespace frugal::offload {
 
@@ -57,11 +62,13 @@ StateBytes state_bytes(torch::optim::Optimizer& opt);
 
 /// [plugins.offload]: TOML keys are the field names.
 struct OffloadOptions : frugal::Options {
-  std::string to = "disk";  ///< "disk"; "cpu" (CUDA state to pinned host memory) is not written
+  std::string to = "disk";  ///< "disk" (a CPU run); "cpu" (a CUDA run: the step on the host)
   std::string dir;          ///< default "": <run.out_dir>/offload, or the system's temp folder
   bool drop_pages = true;   ///< after each step, the state's pages leave the process
   bool parameters = false;  ///< the parameters this rank steps go to disk too (ZeRO-Infinity's)
   void visit(frugal::FieldVisitor& v) override;
+  /// The disk keys (dir, drop_pages, parameters) with to = "cpu": refused, named.
+  void check() const override;
 };
 
 /// The plugin's callback.
@@ -74,15 +81,22 @@ class Offload : public frugal::Callback {
   /// optimizer steps and its after_step the first after, so the redirect of the first step's
   /// allocations (below) covers the step alone.
   int order() const override { return frugal::order::kProgress + 100; }
+  /// to = "cpu" steps between before_step and after_step: step_in_backward, which steps inside
+  /// backward, conflicts.
+  frugal::CallbackRelations relations() const override;
+  /// Refuses a device the target is not for (before any fit, so `frugal check` does too):
+  /// "disk" is for a CPU run, "cpu" for a CUDA one.
+  void attach(frugal::Learner& l) override;
 
-  /// Resolves the folder (created if missing); refuses a CUDA run, whose state would need the
-  /// step on the CPU ("cpu" offload, not written). With `parameters`: the parameters the
-  /// optimizer steps (with zero, this rank's share) move to disk.
+  /// "disk": resolves the folder (created if missing); with `parameters`, the parameters the
+  /// optimizer steps (with zero, this rank's share) move to disk. "cpu": the host step starts.
   void before_fit(frugal::Learner& l) override;
-  /// The first step of each optimizer: the step's CPU allocations on this thread (its new
-  /// state, and for a non-fused optimizer that step's temporaries) come from segments of their
-  /// own, not the allocator's memory, so even that step's peak does not hold the state.
+  /// "disk", the first step of each optimizer: the step's CPU allocations on this thread (its
+  /// new state, and for a non-fused optimizer that step's temporaries) come from segments of
+  /// their own, not the allocator's memory, so even that step's peak does not hold the state.
+  /// "cpu", every step: the parameters point at their host masters (HostStep::to_host).
   void before_step(frugal::Learner& l) override;
+  /// "cpu": the new values go back to the device (HostStep::to_device).
   void after_step(frugal::Learner& l) override;
   /// A stage may unfreeze parameters whose state its first step makes: that step is redirected
   /// too (the micro-batch search reserved nothing for it: Learner::optimizer_state_offloaded).
@@ -91,7 +105,8 @@ class Offload : public frugal::Callback {
   /// inside backward): moves the state created or loaded since (and with `parameters`, a new
   /// optimizer's parameters) to disk; drops the pages.
   void after_batch(frugal::Learner& l) override;
-  /// After an out-of-memory error: the redirect ends (the step did not reach after_step).
+  /// After an out-of-memory error: the redirect ends (the step did not reach after_step); the
+  /// parameters that pointed at their host masters point at their device storage again.
   void release_caches(frugal::Learner& l) override;
   /// Logs the tensors and bytes on disk and what stayed in memory.
   void after_fit(frugal::Learner& l) override;
@@ -103,6 +118,12 @@ class Offload : public frugal::Callback {
   const Moved& parameters_moved() const { return parameters_moved_; }
   int64_t unknown_states() const { return unknown_; }
   const std::string& folder() const { return dir_; }
+  /// to = "cpu": the host step (null before the fit, and with "disk").
+  const HostStep* host_step() const { return host_ ? &*host_ : nullptr; }
+  /// A CPU run refuses to = "cpu" (host copies of host memory save nothing). Tests set this to
+  /// run that path on the CPU all the same: the same code, plain memory for pinned, copies
+  /// that block.
+  void allow_host_step_on_cpu() { host_on_cpu_ = true; }
 
  private:
   OffloadOptions o_;
@@ -113,9 +134,14 @@ class Offload : public frugal::Callback {
   int64_t unknown_ = 0;
   int64_t redirected_for_ = -1;  // the optimizer_changes() whose first step was redirected
   std::pair<int64_t, int64_t> scanned_at_{-1, -1};  // steps(), optimizer_changes() at the last scan
+  std::optional<HostStep> host_;  // to = "cpu"
+  int64_t host_for_ = -1;         // the optimizer_changes() its masters are for
+  bool host_on_cpu_ = false;
+  bool host() const { return o_.to == "cpu"; }
   void move_parameters(frugal::Learner& l);
   void begin_redirect();
   void end_redirect();
+  void back_to_device();
 };
 
 }  // namespace frugal::offload

@@ -1,0 +1,75 @@
+#pragma once
+/// offload `to = "cpu"`: ZeRO-Offload's step (Ren et al., 2021) for a run on CUDA. The optimizer
+/// steps a host copy (the *master*) of each parameter it steps, with the gradient copied to host
+/// memory, on the CPU (frugal's fused step); its state is made and kept in host memory. The new
+/// values go back to the device afterwards. The device keeps the parameters and, until the step,
+/// the gradients; never the optimizer state. On CUDA every host buffer is pinned (page-locked:
+/// the copies are DMA, the one back to the device does not block).
+///
+/// The parameters keep their tensor (the optimizer's key, the model's registration, autograd's
+/// leaf): around the step each one *points at* its master (Tensor::set_data, the same move
+/// PyTorch's FSDP makes for its CPU offload) and at its device storage again after.
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace frugal::offload {
+
+class HostStep {
+ public:
+  /// `device`: the run's. Host buffers are pinned when it is CUDA.
+  explicit HostStep(torch::Device device);
+
+  /// Before the optimizer steps: every parameter of `opt` on the run's device with a gradient
+  /// gets a master in host memory (made once; copied from the device again only when something
+  /// else wrote the parameter since: its version counter or its storage moved), its gradient is
+  /// copied into a host buffer (the device gradient is let go), and the parameter points at the
+  /// master with that buffer as its gradient. State tensors not in host memory yet (a resume
+  /// loads them on the device) move there first.
+  void to_host(torch::optim::Optimizer& opt);
+  /// After the step (`stepped`): the masters' new values are copied to the device and every
+  /// parameter points at its device storage again; the state the step made moves into host
+  /// buffers (pinned on CUDA). Without a step (it failed): the parameters point at their
+  /// unchanged device storage, host gradients are dropped, and each master is copied afresh
+  /// at the next step (it may hold half a step).
+  void to_device(bool stepped);
+  /// Whether the parameters point at their masters now (between to_host and to_device).
+  bool on_host() const { return !moved_.empty(); }
+  /// Forgets every master and buffer: a new optimizer, whose parameters may differ. State
+  /// tensors stay where they are (in host memory).
+  void reset();
+
+  /// Host bytes held: masters, gradient buffers, and the optimizer state in host buffers.
+  struct Bytes {
+    int64_t masters = 0;
+    int64_t gradients = 0;
+    int64_t state = 0;
+  };
+  Bytes bytes() const;
+  /// Whether `t`'s bytes are one of the host state buffers this made.
+  bool holds_state(const torch::Tensor& t) const;
+  /// How many parameters' states were of a type it does not know (left where the step made them).
+  int64_t unknown_states() const { return unknown_; }
+
+ private:
+  struct Slot {
+    torch::Tensor master, grad;  // host copies
+    torch::Tensor device;        // the device storage while the parameter points at its master
+    int64_t version = -1;        // the parameter's version after the last copy back
+    const void* device_ptr = nullptr;
+  };
+  torch::Device device_;
+  bool pinned_;
+  std::unordered_map<const c10::TensorImpl*, Slot> slots_;
+  std::vector<torch::Tensor> moved_;  // the parameters that point at their masters now
+  torch::optim::Optimizer* opt_ = nullptr;
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> state_;  // host state buffers
+  int64_t unknown_ = 0;
+
+  torch::Tensor host_like(const torch::Tensor& t) const;
+  void move_state();
+};
+
+}  // namespace frugal::offload
