@@ -41,6 +41,21 @@ std::vector<torch::Tensor> all_state(torch::optim::Optimizer& opt) {
   return out;
 }
 
+/// Two equal layers, each with its optimizer `name` (lr 0.01; sgd with momentum).
+struct Twins {
+  Twins(const std::string& name, int64_t in, int64_t out) : a(in, out), b(in, out) {
+    { torch::NoGradGuard g; b->weight.copy_(a->weight); b->bias.copy_(a->bias); }
+    OptimizerOptions o;
+    o.name = name;
+    o.lr = 0.01;
+    if (name == "sgd") o.set("momentum", 0.9);
+    oa = make_optimizer(o, a->parameters());
+    ob = make_optimizer(o, b->parameters());
+  }
+  torch::nn::Linear a, b;
+  std::unique_ptr<torch::optim::Optimizer> oa, ob;
+};
+
 // Fused Adam's state moved after one step: the values stay, the optimizer's own tensors now live
 // in the file (on_disk), the second step updates them there and gives the reference's bits, and
 // the live bytes drop by the state's. The file is unlinked at once; the mapping goes with the
@@ -50,13 +65,9 @@ TEST(OffloadMath, MovedStateKeepsItsValuesAndIsSteppedInPlace) {
   MemoryMeter::get().install();
   for (const std::string name : {"adam", "sgd", "adam8bit"}) {
     torch::manual_seed(1);
-    torch::nn::Linear a(64, 300), b(64, 300);
-    { torch::NoGradGuard g; b->weight.copy_(a->weight); b->bias.copy_(a->bias); }
-    OptimizerOptions o;
-    o.name = name;
-    o.lr = 0.01;
-    if (name == "sgd") o.set("momentum", 0.9);
-    auto oa = make_optimizer(o, a->parameters()), ob = make_optimizer(o, b->parameters());
+    Twins twins(name, 64, 300);
+    auto &a = twins.a, &b = twins.b;
+    auto &oa = twins.oa, &ob = twins.ob;
     const auto step = [](torch::nn::Linear& m, torch::optim::Optimizer& opt, int i) {
       opt.zero_grad();
       torch::manual_seed(10 + i);
@@ -130,13 +141,9 @@ std::vector<std::vector<float>> weights_of(torch::nn::Module& m) {
 TEST(OffloadMath, TheHostStepGivesBitwiseTheWeightsOfTheStepOnTheParameters) {
   for (const std::string name : {"adam", "sgd"}) {
     torch::manual_seed(1);
-    torch::nn::Linear a(32, 200), b(32, 200);
-    { torch::NoGradGuard g; b->weight.copy_(a->weight); b->bias.copy_(a->bias); }
-    OptimizerOptions o;
-    o.name = name;
-    o.lr = 0.01;
-    if (name == "sgd") o.set("momentum", 0.9);
-    auto oa = make_optimizer(o, a->parameters()), ob = make_optimizer(o, b->parameters());
+    Twins twins(name, 32, 200);
+    auto &a = twins.a, &b = twins.b;
+    auto &oa = twins.oa, &ob = twins.ob;
     off::HostStep host(torch::kCPU);
     const c10::TensorImpl* weight = b->weight.unsafeGetTensorImpl();
     const auto backward = [](torch::nn::Linear& m, int i) {
