@@ -6,6 +6,9 @@
 // stdout (markdown) and --out (JSON). The optimizers card (docs/optimizers.md) holds its output.
 //
 //   build/bin/frugal_bench_optimizers [--max-elements 100000000] [--optimizer NAME ...] [--out FILE]
+//                                     [--check-gradients]
+// --check-gradients: every fused step also checks its gradients for inf/NaN (GradientVerdict,
+// what `frugal train` asks): its cost is the difference to a run without it.
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -39,13 +42,14 @@ std::unique_ptr<torch::optim::Optimizer> build(const std::string& name, bool fus
 }
 
 // Median seconds of one step of each implementation over `n` elements, alternating.
-std::pair<double, double> time_steps(const std::string& name, int64_t n) {
+std::pair<double, double> time_steps(const std::string& name, int64_t n, bool check) {
   torch::manual_seed(0);
   auto pf = torch::randn({n}).requires_grad_(true);
   auto pp = pf.detach().clone().requires_grad_(true);
   pf.mutable_grad() = torch::randn({n});
   pp.mutable_grad() = pf.grad().clone();
   auto fused = build(name, true, pf), plain = build(name, false, pp);
+  auto* verdict = check ? dynamic_cast<frugal::GradientVerdict*>(fused.get()) : nullptr;
   fused->step();  // the state exists: a later step's time
   plain->step();
   // About 0.3 s of each at this size, at least 5 steps.
@@ -54,6 +58,7 @@ std::pair<double, double> time_steps(const std::string& name, int64_t n) {
   for (int64_t r = 0; r < reps; ++r)
     for (int k = 0; k < 2; ++k) {
       auto& opt = (k + r) % 2 == 0 ? *fused : *plain;
+      if (verdict && &opt == fused.get()) verdict->check_next_step();
       const auto t0 = Clock::now();
       opt.step();
       (&opt == fused.get() ? tf : tp).push_back(std::chrono::duration<double>(Clock::now() - t0).count());
@@ -81,6 +86,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> names = {"adam", "adamw", "sgd", "adam8bit"};
   app.add_option("--optimizer", names, "the optimizers to time (repeatable; default all four)")
       ->check(CLI::IsMember({"adam", "adamw", "sgd", "adam8bit"}));
+  bool check = false;
+  app.add_flag("--check-gradients", check, "the fused steps also check their gradients (inf/NaN)");
   CLI11_PARSE(app, argc, argv);
 
   const int all_threads = at::get_num_threads() > 1 ? at::get_num_threads()
@@ -97,7 +104,7 @@ int main(int argc, char** argv) {
       // adam8bit's tensor operations hold about 40 bytes per element of temporaries: 10 M at most
       const int64_t largest = name == "adam8bit" ? std::min<int64_t>(max_elements, 10000000) : max_elements;
       for (int64_t n = 1000; n <= largest; n *= 10) {
-        const auto [fused, plain] = time_steps(name, n);
+        const auto [fused, plain] = time_steps(name, n, check);
         rows.push_back({{"optimizer", name}, {"elements", n}, {"threads", threads},
                         {"libtorch_seconds", plain}, {"fused_seconds", fused},
                         {"speedup", fused > 0 ? plain / fused : 0.0}});

@@ -233,6 +233,57 @@ TEST(FusedOptimizers, AllFiniteFindsOneBadElementAnywhere) {
   EXPECT_FALSE(all_finite({strided.t()}));
 }
 
+// The verdict riding on the step (GradientVerdict): asked, each fused optimizer names the first
+// parameter whose gradient holds an inf or a NaN anywhere (in a chunk another thread stepped,
+// in an odd tail), and none when all are finite; its finite steps are bitwise those of steps
+// not asked; unasked it says nothing. Where LibTorch's step runs (amsgrad) the gradients are
+// scanned first and that step does not run.
+TEST(FusedOptimizers, TheStepSaysWhichGradientWasNotFinite) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  const auto make = [](const std::string& name, std::vector<torch::Tensor> ps) {
+    OptimizerOptions o = named(name, 1e-3, 0.01);
+    if (name == "sgd") o.set("momentum", 0.9);
+    return make_optimizer(o, std::move(ps));
+  };
+  for (const std::string name : {"adam", "adamw", "sgd"}) {
+    auto checked_params = make_params(), plain_params = copies(checked_params);
+    auto checked = make(name, checked_params), plain = make(name, plain_params);
+    auto* verdict = dynamic_cast<GradientVerdict*>(checked.get());
+    ASSERT_NE(verdict, nullptr) << name;
+    verdict->check_next_step();
+    train(*checked, checked_params, 1);
+    train(*plain, plain_params, 1);
+    EXPECT_EQ(verdict->checked_steps(), 1) << name;
+    EXPECT_FALSE(verdict->first_nonfinite().defined()) << name;
+    EXPECT_EQ(relative_difference(checked_params, plain_params), 0.0) << name << ": the check changes no bit";
+    train(*checked, checked_params, 1);  // not asked
+    EXPECT_EQ(verdict->checked_steps(), 1) << name;
+    for (const auto& [param, at] : std::vector<std::pair<size_t, int64_t>>{{3, 149999}, {2, 40000}, {0, 6}}) {
+      for (auto& p : checked_params) p.mutable_grad() = torch::zeros_like(p);
+      checked_params[3].mutable_grad()[100] = std::numeric_limits<float>::infinity();  // a later one too
+      checked_params[param].mutable_grad()[at] = std::numeric_limits<float>::quiet_NaN();
+      verdict->check_next_step();
+      checked->step();
+      ASSERT_TRUE(verdict->first_nonfinite().defined()) << name << " " << param;
+      EXPECT_TRUE(verdict->first_nonfinite().is_same(checked_params[param])) << name << " " << param;
+      EXPECT_TRUE(verdict->nonfinite_step_ran()) << name;
+    }
+  }
+  // LibTorch's step (amsgrad): scanned before, not run.
+  auto ps = make_params();
+  FusedAdam amsgrad(ps, torch::optim::AdamOptions(1e-3).amsgrad(true));
+  for (auto& p : ps) p.mutable_grad() = torch::ones_like(p);
+  ps[1].mutable_grad()[999] = -std::numeric_limits<float>::infinity();
+  const torch::Tensor kept = ps[2].detach().clone();
+  amsgrad.check_next_step();
+  amsgrad.step();
+  EXPECT_TRUE(amsgrad.first_nonfinite().is_same(ps[1]));
+  EXPECT_FALSE(amsgrad.nonfinite_step_ran());
+  EXPECT_TRUE(torch::equal(ps[2], kept)) << "not stepped";
+  at::set_num_threads(before);
+}
+
 TEST(FusedOptimizers, TheFusedKeyChoosesAndOtherOptimizersRefuseIt) {
   const std::string base = "[optimizer]\nname = \"adam\"\n[[stages]]\nepochs = 1\n";
   auto params = make_params();

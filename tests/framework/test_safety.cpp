@@ -18,6 +18,7 @@
 #include "frugal/callbacks/nonfinite.h"
 #include "frugal/frugal.h"
 #include "frugal/io/safetensors.h"
+#include "frugal/optim/fused.h"
 #include "learner_fixture.h"
 #include "log_capture.h"
 #include "support.h"
@@ -95,6 +96,36 @@ TEST(NonFinite, FailStopsBeforeTheStepNamingStageEpochBatchAndParameter) {
   auto resumed = make_tiny_learner(s);
   resumed->load_checkpoint(dir.file("last.ckpt"));
   EXPECT_TRUE(params_equal(*resumed->model(), clone_params(*l->model())));
+}
+
+// Scan::InStep (frugal train's): no scan before the step; the fused step finds the poisoned
+// gradient while it updates, and the fit fails at the same place with the same words, the
+// parameter named. That step ran in memory (the event says so); the last checkpoint is still
+// the sixth step's, nothing was written after it.
+TEST(NonFinite, InStepFailNamesTheSameBatchAndParameterAndWritesNothingAfter) {
+  TempDir dir;
+  TinySetup s;
+  for (const std::string optimizer : {"adam", "sgd"}) {
+    s.optimizer = optimizer;
+    auto l = make_tiny_learner(s);
+    ASSERT_NE(dynamic_cast<GradientVerdict*>(&l->optimizer()), nullptr);
+    const std::string bad = l->model()->named_parameters().keys()[1];  // not the last one
+    auto check = std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Fail, NonFiniteCheck::Scan::InStep);
+    l->add_callback(check);
+    l->add_callback(std::make_shared<PoisonGradient>(bad, std::vector<int64_t>{6}));
+    l->add_callback(std::make_shared<CheckpointWriter>(dir.file(optimizer + ".ckpt"), 1, 0));
+    const std::string msg = message_of([&] { l->fit({make_stage("warm", 1), make_stage("main", 2)}); });
+    EXPECT_NE(msg.find("non-finite gradient in stage 'main' (2), epoch 1, batch 3 (iteration 7, "
+                       "after 6 optimizer steps); first non-finite gradient: " + bad + " (found by "
+                       "the optimizer's step"),
+              std::string::npos)
+        << msg;
+    ASSERT_TRUE(check->last().has_value());
+    EXPECT_TRUE(check->last()->step_ran);
+    EXPECT_EQ(check->record()["event"]["step_ran"], true);
+    EXPECT_EQ(l->steps(), 7) << "the step that found it ran";
+    EXPECT_EQ(Learner::read_checkpoint(dir.file(optimizer + ".ckpt"))["position"]["steps"].get<int64_t>(), 6);
+  }
 }
 
 TEST(NonFinite, SkipModeSkipsAndCountsTheStepsAndParametersStayFinite) {

@@ -38,4 +38,5 @@
 #include "frugal/models/generate.h"
 #include "frugal/models/registry.h"
 #include "frugal/models/script.h"
+#include "frugal/optim/fused.h"
 #include "frugal/optim/optimizers.h"

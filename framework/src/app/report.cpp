@@ -103,8 +103,11 @@ void safety_lines(std::ostream& md, const nlohmann::json& r) {
       md << "**Non-finite steps skipped:** " << get_i(n, "skipped_steps")
          << " (run.on_nonfinite = \"skip\"; the loss or a gradient was inf/NaN).\n\n";
     if (n.value("mode", "") == "fail" && n.contains("event") && n.contains("checkpoint")) {
-      md << "**Stopped at a non-finite " << n["event"].value("what", "value") << "** (the step was "
-         << "not taken); ";
+      md << "**Stopped at a non-finite " << n["event"].value("what", "value") << "** ("
+         << (n["event"].value("step_ran", false)
+                 ? "found by the optimizer's step, whose update stayed in memory: nothing was written after it"
+                 : "the step was not taken")
+         << "); ";
       if (n["checkpoint"].is_string())
         md << "the last good checkpoint, `" << n["checkpoint"].get<std::string>() << "`, is kept.\n\n";
       else

@@ -260,7 +260,9 @@ void add_history_callbacks(const Config& c, Learner& l) {
 // run.on_nonfinite, run.save_best, run.early_stopping: the metrics are checked against the
 // learner's task here, before any work.
 void add_safety_nets(const Config& c, Learner& l) {
-  l.add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::parse_mode(c.run.on_nonfinite)));
+  // The gradients' check rides on the fused step: no pass of its own (nonfinite.h).
+  l.add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::parse_mode(c.run.on_nonfinite),
+                                                  NonFiniteCheck::Scan::InStep));
   // Gradient clipping, when [optimizer] or a stage's optimizer asks for it (the callback reads
   // the stage's keys at each step).
   bool clips = c.optimizer.clip_grad_norm > 0 || c.optimizer.clip_grad_value > 0;

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "frugal/base/error.h"
 #include "frugal/core/learner.h"
@@ -53,7 +54,7 @@ nlohmann::json NonFiniteEvent::to_json() const {
   const nlohmann::json l = std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss));
   return {{"what", what},   {"parameter", parameter},   {"loss", l},         {"stage", stage},
           {"stage_name", stage_name}, {"epoch", epoch}, {"batch", batch}, {"iteration", iteration},
-          {"steps", steps}};
+          {"steps", steps}, {"step_ran", step_ran}};
 }
 
 std::string NonFiniteEvent::describe() const {
@@ -66,6 +67,7 @@ std::string NonFiniteEvent::describe() const {
     os << "; first non-finite gradient: " << parameter;
   else if (what == "loss or gradient")
     os << " on another rank";
+  if (step_ran) os << " (found by the optimizer's step, whose update stays in memory: nothing was written after it)";
   return os.str();
 }
 
@@ -105,16 +107,37 @@ void NonFiniteCheck::after_batch(Learner& l) {
   if (mode_ == Mode::Skip) snapshot_due_ = !has_pending_gradient(*l.model());
 }
 
+// Scan::InStep in Mode::Fail: the optimizer, when it can check the gradients its step reads and
+// it steps them all (zero's shard optimizers step a part on each rank: a verdict there would
+// need every rank's).
+GradientVerdict* NonFiniteCheck::riding_verdict(Learner& l) const {
+  if (mode_ != Mode::Fail || scan_ != Scan::InStep || l.per_rank_optimizer_state()) return nullptr;
+  return dynamic_cast<GradientVerdict*>(&l.optimizer());
+}
+
+NonFiniteEvent NonFiniteCheck::event_at(const Learner& l) const {
+  NonFiniteEvent e;
+  e.stage = l.stage_index();
+  e.stage_name = l.stage().name;
+  e.epoch = l.epoch();
+  e.batch = l.batch_index();
+  e.iteration = l.iteration();
+  e.steps = l.steps();
+  return e;
+}
+
 void NonFiniteCheck::before_step(Learner& l) {
+  verdict_due_ = -1;
   if (l.batch_skipped()) return;
   // A step another callback skipped (amp's scaler after an overflow, grad_accum inside a group)
   // keeps its gradients to itself: amp finds its scale through inf gradients. Its loss is
   // checked all the same: the loss is taken before any scaling, so an inf or NaN there (a
   // forward that overflowed) is never the scaler's to fix.
   const bool skipped_by_another = l.step_skipped();
-  NonFiniteEvent e;
+  GradientVerdict* rides = skipped_by_another ? nullptr : riding_verdict(l);
+  NonFiniteEvent e = event_at(l);
   e.loss = l.loss().defined() ? l.loss().item<double>() : 0.0;
-  if (!skipped_by_another)
+  if (!skipped_by_another && !rides)
     if (auto p = first_nonfinite_gradient(*l.model())) e.parameter = *p;
   const bool bad_here = !std::isfinite(e.loss) || !e.parameter.empty();
   // Data parallel: the gradients are the same on every rank (all-reduced), the losses are not:
@@ -122,14 +145,15 @@ void NonFiniteCheck::before_step(Learner& l) {
   const bool bad_anywhere = dp_ && dp_->synced_this_batch()
                                 ? !e.parameter.empty() || dp_->any_flag(loss_slot_)
                                 : l.collective().any(bad_here);
-  if (!bad_anywhere) return;
+  if (!bad_anywhere) {
+    if (rides) {  // the gradients' verdict comes with the step
+      rides->check_next_step();
+      verdict_due_ = rides->checked_steps() + 1;
+      step_loss_ = e.loss;
+    }
+    return;
+  }
   e.what = !bad_here ? "loss or gradient" : std::isfinite(e.loss) ? "gradient" : "loss";
-  e.stage = l.stage_index();
-  e.stage_name = l.stage().name;
-  e.epoch = l.epoch();
-  e.batch = l.batch_index();
-  e.iteration = l.iteration();
-  e.steps = l.steps();
   last_ = e;
   if (mode_ == Mode::Fail) throw Error(e.describe());
   // A non-finite loss is left out of the epoch's loss, the progress line and the history.
@@ -142,6 +166,24 @@ void NonFiniteCheck::before_step(Learner& l) {
   ++skipped_;
   l.skip_step();
   l.zero_grad();
+}
+
+// Every rank of a data-parallel run reads the same reduced gradients: each finds the same one.
+void NonFiniteCheck::after_step(Learner& l) {
+  if (verdict_due_ < 0) return;
+  const int64_t due = std::exchange(verdict_due_, -1);
+  const auto* v = dynamic_cast<const GradientVerdict*>(&l.optimizer());
+  if (!v || v->checked_steps() != due || !v->first_nonfinite().defined()) return;
+  NonFiniteEvent e = event_at(l);
+  e.what = "gradient";
+  e.loss = step_loss_;
+  e.steps = l.steps() - 1;  // the steps before this one, as the scan before the step says
+  e.step_ran = v->nonfinite_step_ran();
+  const c10::TensorImpl* bad = v->first_nonfinite().unsafeGetTensorImpl();
+  for (const auto& p : l.model()->named_parameters())
+    if (p.value().unsafeGetTensorImpl() == bad) e.parameter = p.key();
+  last_ = e;
+  throw Error(e.describe());
 }
 
 void NonFiniteCheck::snapshot_buffers(Learner& l) {

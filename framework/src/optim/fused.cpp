@@ -28,6 +28,16 @@ using cpu_arith::cpu_has_avx512;
 using cpu_arith::cpu_has_fma;
 using cpu_arith::madd;
 
+// A float is inf or NaN when its exponent bits are all ones: the largest exponent field seen
+// (an integer maximum, which vectorizes) tells.
+constexpr uint32_t kExponent = 0x7f800000u;
+
+FRUGAL_ALWAYS_INLINE uint32_t exponent_of(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits & kExponent;
+}
+
 // ---- Adam and AdamW -------------------------------------------------------------------------
 // LibTorch 1.13 (torch/csrc/api/src/optim/adam.cpp, adamw.cpp), per element:
 //   AdamW: p.mul_(1 - lr * wd)                         p = p * decay
@@ -41,14 +51,21 @@ struct AdamArgs {
   float b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step, l2, decay;
 };
 
-template <bool kFma, bool kL2, bool kDecay>
-FRUGAL_ALWAYS_INLINE void adam_span(float* __restrict p, const float* __restrict g,
-                                    float* __restrict m, float* __restrict v, int64_t n,
-                                    const AdamArgs& a) {
+// kCheck: also returns the largest exponent field of the gradient's elements (kExponent: one
+// was inf or NaN), the non-finite check riding on the pass.
+template <bool kFma, bool kL2, bool kDecay, bool kCheck>
+FRUGAL_ALWAYS_INLINE uint32_t adam_span(float* __restrict p, const float* __restrict g,
+                                        float* __restrict m, float* __restrict v, int64_t n,
+                                        const AdamArgs& a) {
+  uint32_t mx = 0;
   for (int64_t i = 0; i < n; ++i) {
     float pi = p[i];
     if constexpr (kDecay) pi = pi * a.decay;
     float gi = g[i];
+    if constexpr (kCheck) {
+      const uint32_t e = exponent_of(gi);
+      mx = e > mx ? e : mx;
+    }
     if constexpr (kL2) gi = madd<kFma>(pi, a.l2, gi);
     const float mi = madd<kFma>(gi, a.omb1, m[i] * a.b1);
     const float vi = madd<kFma>(a.omb2 * gi, gi, v[i] * a.b2);
@@ -57,26 +74,31 @@ FRUGAL_ALWAYS_INLINE void adam_span(float* __restrict p, const float* __restrict
     m[i] = mi;
     v[i] = vi;
   }
+  return mx;
+}
+
+template <bool kFma, bool kCheck>
+FRUGAL_ALWAYS_INLINE uint32_t adam_checked(float* p, const float* g, float* m, float* v, int64_t n,
+                                           const AdamArgs& a, bool l2, bool decay) {
+  if (l2) return adam_span<kFma, true, false, kCheck>(p, g, m, v, n, a);
+  if (decay) return adam_span<kFma, false, true, kCheck>(p, g, m, v, n, a);
+  return adam_span<kFma, false, false, kCheck>(p, g, m, v, n, a);
 }
 
 template <bool kFma>
-FRUGAL_ALWAYS_INLINE void adam_any(float* p, const float* g, float* m, float* v, int64_t n,
-                                   const AdamArgs& a, bool l2, bool decay) {
-  if (l2)
-    adam_span<kFma, true, false>(p, g, m, v, n, a);
-  else if (decay)
-    adam_span<kFma, false, true>(p, g, m, v, n, a);
-  else
-    adam_span<kFma, false, false>(p, g, m, v, n, a);
+FRUGAL_ALWAYS_INLINE uint32_t adam_any(float* p, const float* g, float* m, float* v, int64_t n,
+                                       const AdamArgs& a, bool l2, bool decay, bool check) {
+  return check ? adam_checked<kFma, true>(p, g, m, v, n, a, l2, decay)
+               : adam_checked<kFma, false>(p, g, m, v, n, a, l2, decay);
 }
 
-FRUGAL_FMA_TARGET void adam_fma(float* p, const float* g, float* m, float* v, int64_t n,
-                                const AdamArgs& a, bool l2, bool decay) {
-  adam_any<true>(p, g, m, v, n, a, l2, decay);
+FRUGAL_FMA_TARGET uint32_t adam_fma(float* p, const float* g, float* m, float* v, int64_t n,
+                                    const AdamArgs& a, bool l2, bool decay, bool check) {
+  return adam_any<true>(p, g, m, v, n, a, l2, decay, check);
 }
-void adam_plain(float* p, const float* g, float* m, float* v, int64_t n, const AdamArgs& a,
-                bool l2, bool decay) {
-  adam_any<false>(p, g, m, v, n, a, l2, decay);
+uint32_t adam_plain(float* p, const float* g, float* m, float* v, int64_t n, const AdamArgs& a,
+                    bool l2, bool decay, bool check) {
+  return adam_any<false>(p, g, m, v, n, a, l2, decay, check);
 }
 
 // ---- SGD ------------------------------------------------------------------------------------
@@ -91,11 +113,16 @@ struct SgdArgs {
   bool has_l2, first, nesterov;
 };
 
-template <bool kFma, bool kL2, bool kMomentum>
-FRUGAL_ALWAYS_INLINE void sgd_span(float* __restrict p, const float* __restrict g,
-                                   float* __restrict buf, int64_t n, const SgdArgs& a) {
+template <bool kFma, bool kL2, bool kMomentum, bool kCheck>
+FRUGAL_ALWAYS_INLINE uint32_t sgd_span(float* __restrict p, const float* __restrict g,
+                                       float* __restrict buf, int64_t n, const SgdArgs& a) {
+  uint32_t mx = 0;
   for (int64_t i = 0; i < n; ++i) {
     float d = g[i];
+    if constexpr (kCheck) {
+      const uint32_t e = exponent_of(d);
+      mx = e > mx ? e : mx;
+    }
     if constexpr (kL2) d = madd<kFma>(p[i], a.l2, d);
     if constexpr (kMomentum) {
       const float b = a.first ? d : madd<kFma>(d, a.omd, buf[i] * a.mom);
@@ -104,36 +131,34 @@ FRUGAL_ALWAYS_INLINE void sgd_span(float* __restrict p, const float* __restrict 
     }
     p[i] = madd<kFma>(d, a.neg_lr, p[i]);
   }
+  return mx;
 }
 
-template <bool kFma>
-FRUGAL_ALWAYS_INLINE void sgd_any(float* p, const float* g, float* buf, int64_t n,
-                                  const SgdArgs& a) {
+template <bool kFma, bool kCheck>
+FRUGAL_ALWAYS_INLINE uint32_t sgd_checked(float* p, const float* g, float* buf, int64_t n,
+                                          const SgdArgs& a) {
   if (buf)
-    a.has_l2 ? sgd_span<kFma, true, true>(p, g, buf, n, a) : sgd_span<kFma, false, true>(p, g, buf, n, a);
-  else
-    a.has_l2 ? sgd_span<kFma, true, false>(p, g, buf, n, a) : sgd_span<kFma, false, false>(p, g, buf, n, a);
+    return a.has_l2 ? sgd_span<kFma, true, true, kCheck>(p, g, buf, n, a)
+                    : sgd_span<kFma, false, true, kCheck>(p, g, buf, n, a);
+  return a.has_l2 ? sgd_span<kFma, true, false, kCheck>(p, g, buf, n, a)
+                  : sgd_span<kFma, false, false, kCheck>(p, g, buf, n, a);
 }
 
-FRUGAL_FMA_TARGET void sgd_fma(float* p, const float* g, float* buf, int64_t n, const SgdArgs& a) {
-  sgd_any<true>(p, g, buf, n, a);
+FRUGAL_FMA_TARGET uint32_t sgd_fma(float* p, const float* g, float* buf, int64_t n, const SgdArgs& a,
+                                   bool check) {
+  return check ? sgd_checked<true, true>(p, g, buf, n, a) : sgd_checked<true, false>(p, g, buf, n, a);
 }
-void sgd_plain(float* p, const float* g, float* buf, int64_t n, const SgdArgs& a) {
-  sgd_any<false>(p, g, buf, n, a);
+uint32_t sgd_plain(float* p, const float* g, float* buf, int64_t n, const SgdArgs& a, bool check) {
+  return check ? sgd_checked<false, true>(p, g, buf, n, a) : sgd_checked<false, false>(p, g, buf, n, a);
 }
 
 // ---- the non-finite scan --------------------------------------------------------------------
-// A float is inf or NaN when its exponent bits are all ones: the largest exponent field seen
-// (an integer maximum, which vectorizes) tells.
-constexpr uint32_t kExponent = 0x7f800000u;
 
 template <int>
 FRUGAL_ALWAYS_INLINE uint32_t max_exponent(const float* __restrict x, int64_t n) {
   uint32_t mx = 0;
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, sizeof bits);
-    const uint32_t e = bits & kExponent;
+    const uint32_t e = exponent_of(x[i]);
     mx = e > mx ? e : mx;
   }
   return mx;
@@ -192,6 +217,46 @@ torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   return closure();
 }
 
+// Which spans of a pass held an inf or a NaN, from their chunks' largest exponents (any thread).
+class SpanVerdicts {
+ public:
+  explicit SpanVerdicts(size_t spans) : bad_(spans) {}
+  void note(size_t k, uint32_t largest_exponent) {
+    if (largest_exponent == kExponent) bad_[k].store(true, std::memory_order_relaxed);
+  }
+  /// The first span that did, or -1.
+  int64_t first() const {
+    for (size_t k = 0; k < bad_.size(); ++k)
+      if (bad_[k].load(std::memory_order_relaxed)) return static_cast<int64_t>(k);
+    return -1;
+  }
+
+ private:
+  std::vector<std::atomic<bool>> bad_;
+};
+
+// The first parameter (param_groups order) whose gradient holds an inf or a NaN, or undefined.
+torch::Tensor first_nonfinite_parameter(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  for (const auto& group : groups)
+    for (const auto& p : group.params())
+      if (p.grad().defined() && !all_finite({p.grad()})) return p;
+  return {};
+}
+
+// LibTorch's step where the fused pass does not apply. Asked to check: the gradients are
+// scanned first, and a step that would read an inf or a NaN is not run.
+template <class Step>
+void unfused_step(GradientVerdict& verdict, bool check,
+                  const std::vector<torch::optim::OptimizerParamGroup>& groups, const Step& step) {
+  if (check) {
+    torch::Tensor bad = first_nonfinite_parameter(groups);
+    const bool run = !bad.defined();
+    verdict.record_verdict(std::move(bad), /*ran=*/false);
+    if (!run) return;
+  }
+  step();
+}
+
 // One parameter's part of a fused Adam step: its pointers and coefficients.
 struct AdamWork {
   float *p, *m, *v;
@@ -199,6 +264,7 @@ struct AdamWork {
   int64_t n;
   AdamArgs args;
   bool l2, decay;
+  const torch::Tensor* param;
 };
 
 template <class State, class GroupOptions>
@@ -225,7 +291,7 @@ std::vector<AdamWork> adam_work(std::vector<torch::optim::OptimizerParamGroup>& 
       const double bc2 = 1 - std::pow(beta2, static_cast<double>(s.step()));
       AdamWork w{p.data_ptr<float>(), s.exp_avg().template data_ptr<float>(),
                  s.exp_avg_sq().template data_ptr<float>(), p.grad().data_ptr<float>(), p.numel(), {},
-                 !decoupled && o.weight_decay() != 0, decoupled && o.weight_decay() != 0};
+                 !decoupled && o.weight_decay() != 0, decoupled && o.weight_decay() != 0, &p};
       w.args = {static_cast<float>(beta1), static_cast<float>(1 - beta1),
                 static_cast<float>(beta2), static_cast<float>(1 - beta2),
                 static_cast<float>(std::sqrt(bc2)), static_cast<float>(o.eps()),
@@ -237,14 +303,19 @@ std::vector<AdamWork> adam_work(std::vector<torch::optim::OptimizerParamGroup>& 
   return work;
 }
 
-void run_adam(const std::vector<AdamWork>& work) {
+// The pass over every parameter; checking, the first work item whose gradient held an inf or a
+// NaN (or -1).
+int64_t run_adam(const std::vector<AdamWork>& work, bool check) {
   std::vector<int64_t> sizes;
   for (const auto& w : work) sizes.push_back(w.n);
   const auto kernel = cpu_has_fma() ? adam_fma : adam_plain;
+  SpanVerdicts verdicts(check ? work.size() : 0);
   for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
     const AdamWork& w = work[k];
-    kernel(w.p + b, w.g + b, w.m + b, w.v + b, e - b, w.args, w.l2, w.decay);
+    const uint32_t mx = kernel(w.p + b, w.g + b, w.m + b, w.v + b, e - b, w.args, w.l2, w.decay, check);
+    if (check) verdicts.note(k, mx);
   });
+  return verdicts.first();
 }
 
 template <class Options>
@@ -255,16 +326,20 @@ bool no_amsgrad(const Options& o) {
 // Adam's and AdamW's step (decoupled: AdamW's decay): LibTorch's own where the pass does not
 // apply, else the fused pass.
 template <class Base, class State, class GroupOptions>
-torch::Tensor fused_adam_step(Base& self, std::vector<torch::optim::OptimizerParamGroup>& groups,
+torch::Tensor fused_adam_step(Base& self, GradientVerdict& verdict,
+                              std::vector<torch::optim::OptimizerParamGroup>& groups,
                               decltype(std::declval<torch::optim::Optimizer&>().state())& state,
                               const torch::optim::Optimizer::LossClosure& closure, bool decoupled) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
+  const bool check = verdict.take_check();
   if (!all_fusable<GroupOptions>(groups, no_amsgrad<GroupOptions>)) {
-    self.Base::step(nullptr);  // LibTorch's way
+    unfused_step(verdict, check, groups, [&] { self.Base::step(nullptr); });
     return loss;
   }
-  run_adam(adam_work<State, GroupOptions>(groups, state, decoupled));
+  const auto work = adam_work<State, GroupOptions>(groups, state, decoupled);
+  const int64_t bad = run_adam(work, check);
+  if (check) verdict.record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), true);
   return loss;
 }
 
@@ -276,19 +351,20 @@ bool sgd_ok(const torch::optim::SGDOptions& o) {
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
   return fused_adam_step<torch::optim::Adam, torch::optim::AdamParamState,
-                         torch::optim::AdamOptions>(*this, param_groups_, state_, closure, false);
+                         torch::optim::AdamOptions>(*this, *this, param_groups_, state_, closure, false);
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   return fused_adam_step<torch::optim::AdamW, torch::optim::AdamWParamState,
-                         torch::optim::AdamWOptions>(*this, param_groups_, state_, closure, true);
+                         torch::optim::AdamWOptions>(*this, *this, param_groups_, state_, closure, true);
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
+  const bool check = take_check();
   if (!all_fusable<torch::optim::SGDOptions>(param_groups_, sgd_ok)) {
-    torch::optim::SGD::step(nullptr);  // LibTorch's way
+    unfused_step(*this, check, param_groups_, [&] { torch::optim::SGD::step(nullptr); });
     return loss;
   }
   struct Work {
@@ -296,6 +372,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     const float* g;
     int64_t n;
     SgdArgs args;
+    const torch::Tensor* param;
   };
   std::vector<Work> work;
   std::vector<int64_t> sizes;
@@ -317,15 +394,21 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
         }
         buf = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer().data_ptr<float>();
       }
-      work.push_back({p.data_ptr<float>(), buf, p.grad().data_ptr<float>(), p.numel(), a});
+      work.push_back({p.data_ptr<float>(), buf, p.grad().data_ptr<float>(), p.numel(), a, &p});
       sizes.push_back(p.numel());
     }
   }
   const auto kernel = cpu_has_fma() ? sgd_fma : sgd_plain;
+  SpanVerdicts verdicts(check ? work.size() : 0);
   for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
     const Work& w = work[k];
-    kernel(w.p + b, w.g + b, w.buf ? w.buf + b : nullptr, e - b, w.args);
+    const uint32_t mx = kernel(w.p + b, w.g + b, w.buf ? w.buf + b : nullptr, e - b, w.args, check);
+    if (check) verdicts.note(k, mx);
   });
+  if (check) {
+    const int64_t bad = verdicts.first();
+    record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), true);
+  }
   return loss;
 }
 

@@ -14,6 +14,14 @@
 /// accumulation group but its last. Hence the order: before_step runs in ascending order, and
 /// order::kNonFiniteCheck is above every band that may skip a step in before_batch,
 /// after_backward or before_step (kBatchGrouping, kPrecision, kGradientSync).
+///
+/// Scan::InStep (what `frugal train` runs with on_nonfinite = "fail"): where the optimizer's
+/// step can check the gradients itself (GradientVerdict: frugal's fused adam, adamw and sgd)
+/// and steps them all on this rank (not zero's shards), the gradients are not scanned before
+/// the step; the fused pass finds an inf or a NaN while it updates, and after_step fails the fit
+/// with the same error. That step's update then reached the parameters in memory (the event
+/// says so: step_ran); nothing is written after it, so the checkpoints on disk are the same
+/// as with the scan before. The loss is checked before the step either way.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -27,6 +35,7 @@
 namespace frugal {
 
 class DataParallel;
+class GradientVerdict;
 
 /// The first parameter (in named_parameters order) whose gradient holds an inf or a NaN, or
 /// nullopt when all are finite. Reads each gradient once, sums it in double (a finite float
@@ -41,6 +50,7 @@ struct NonFiniteEvent {
   double loss = 0;        ///< the batch's (unscaled) loss
   int64_t stage = 0, epoch = 0, batch = 0, iteration = 0, steps = 0;
   std::string stage_name;
+  bool step_ran = false;  ///< Scan::InStep: the step that read the gradient ran (in memory)
   nlohmann::json to_json() const;
   /// "non-finite loss (nan) in stage 'train' (1), epoch 2, batch 5 (iteration 12, after 11
   /// optimizer steps); first non-finite gradient: 0.weight"
@@ -50,8 +60,12 @@ struct NonFiniteEvent {
 class NonFiniteCheck : public Callback {
  public:
   enum class Mode { Fail, Skip };
+  /// Where the gradients are checked in Mode::Fail: a pass before the step (the step is never
+  /// taken), or inside the optimizer's step where it can (see above).
+  enum class Scan { BeforeStep, InStep };
   /// Mode::Fail throws (a CallbackError whose text is NonFiniteEvent::describe()).
-  explicit NonFiniteCheck(Mode mode = Mode::Fail) : mode_(mode) {}
+  explicit NonFiniteCheck(Mode mode = Mode::Fail, Scan scan = Scan::BeforeStep)
+      : mode_(mode), scan_(scan) {}
   /// "fail" | "skip"; throws ConfigError naming run.on_nonfinite otherwise.
   static Mode parse_mode(const std::string& s);
 
@@ -65,6 +79,8 @@ class NonFiniteCheck : public Callback {
   /// Checks the loss and the gradients of a step no other callback skipped. Data parallel:
   /// one all-reduce of the verdict, so every rank fails or skips the same step.
   void before_step(Learner& l) override;
+  /// Scan::InStep: fails the fit when the step found a non-finite gradient.
+  void after_step(Learner& l) override;
   /// Mode::Skip: notes whether the next forward starts a new step (no gradient is pending).
   void after_batch(Learner& l) override;
   /// Mode::Skip: the bytes of the buffers' copy.
@@ -85,8 +101,13 @@ class NonFiniteCheck : public Callback {
  private:
   void snapshot_buffers(Learner& l);
   void restore_buffers(Learner& l) const;
+  GradientVerdict* riding_verdict(Learner& l) const;
+  NonFiniteEvent event_at(const Learner& l) const;
 
   Mode mode_;
+  Scan scan_;
+  int64_t verdict_due_ = -1;  // Scan::InStep: the optimizer's checked_steps() after this step
+  double step_loss_ = 0;      // the loss before_step saw
   int64_t skipped_ = 0;
   DataParallel* dp_ = nullptr;  // data parallel: the loss verdict's ride (DataParallel::flag_slot)
   size_t loss_slot_ = 0;
