@@ -33,21 +33,23 @@ namespace fs = std::filesystem;
 /// step at a known place.
 class PoisonGradient : public Callback {
  public:
-  PoisonGradient(std::string parameter, std::vector<int64_t> iterations)
-      : parameter_(std::move(parameter)), iterations_(std::move(iterations)) {}
+  PoisonGradient(std::string parameter, std::vector<int64_t> iterations,
+                 float value = std::numeric_limits<float>::quiet_NaN())
+      : parameter_(std::move(parameter)), iterations_(std::move(iterations)), value_(value) {}
   std::string name() const override { return "poison_gradient"; }
   void after_backward(Learner& l) override {
     if (std::find(iterations_.begin(), iterations_.end(), l.iteration()) == iterations_.end()) return;
     for (auto& p : l.model()->named_parameters())
       if (p.key() == parameter_) {
         torch::NoGradGuard g;
-        p.value().mutable_grad().view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+        p.value().mutable_grad().view({-1})[0] = value_;
       }
   }
 
  private:
   std::string parameter_;
   std::vector<int64_t> iterations_;
+  float value_;
 };
 
 std::string last_parameter(Learner& l) { return l.model()->named_parameters().keys().back(); }
@@ -126,6 +128,21 @@ TEST(NonFinite, InStepFailNamesTheSameBatchAndParameterAndWritesNothingAfter) {
     EXPECT_EQ(l->steps(), 7) << "the step that found it ran";
     EXPECT_EQ(Learner::read_checkpoint(dir.file(optimizer + ".ckpt"))["position"]["steps"].get<int64_t>(), 6);
   }
+  // Clipping by value would clamp an inf into range before the step reads it: the gradients
+  // are scanned before the step then, which is not taken.
+  auto l = make_tiny_learner(s);
+  OptimizerOptions o = l->optimizer_options();
+  o.clip_grad_value = 1.0;
+  l->set_optimizer(o);
+  const std::string bad = last_parameter(*l);
+  l->add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Fail, NonFiniteCheck::Scan::InStep));
+  l->add_callback(std::make_shared<GradClip>());
+  l->add_callback(std::make_shared<PoisonGradient>(bad, std::vector<int64_t>{2},
+                                                   std::numeric_limits<float>::infinity()));
+  const std::string msg = message_of([&] { l->fit(1); });
+  EXPECT_NE(msg.find("non-finite gradient in stage"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("found by the optimizer's step"), std::string::npos) << msg;
+  EXPECT_EQ(l->steps(), 2);
 }
 
 TEST(NonFinite, SkipModeSkipsAndCountsTheStepsAndParametersStayFinite) {

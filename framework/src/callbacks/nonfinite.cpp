@@ -110,8 +110,12 @@ void NonFiniteCheck::after_batch(Learner& l) {
 // Scan::InStep in Mode::Fail: the optimizer, when it can check the gradients its step reads and
 // it steps them all (zero's shard optimizers step a part on each rank: a verdict there would
 // need every rank's).
+// Clipping by value (GradClip, after this check) would clamp an inf into range before the step
+// sees it: the scan before the step then.
 GradientVerdict* NonFiniteCheck::riding_verdict(Learner& l) const {
-  if (mode_ != Mode::Fail || scan_ != Scan::InStep || l.per_rank_optimizer_state()) return nullptr;
+  if (mode_ != Mode::Fail || scan_ != Scan::InStep || l.per_rank_optimizer_state() ||
+      l.optimizer_options().clip_grad_value > 0)
+    return nullptr;
   return dynamic_cast<GradientVerdict*>(&l.optimizer());
 }
 

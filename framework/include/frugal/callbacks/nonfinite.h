@@ -17,7 +17,8 @@
 ///
 /// Scan::InStep (what `frugal train` runs with on_nonfinite = "fail"): where the optimizer's
 /// step can check the gradients itself (GradientVerdict: frugal's fused adam, adamw and sgd)
-/// and steps them all on this rank (not zero's shards), the gradients are not scanned before
+/// and steps them all on this rank (not zero's shards), and no clip by value would clamp an inf
+/// into range first (optimizer.clip_grad_value), the gradients are not scanned before
 /// the step; the fused pass finds an inf or a NaN while it updates, and after_step fails the fit
 /// with the same error. That step's update then reached the parameters in memory (the event
 /// says so: step_ran); nothing is written after it, so the checkpoints on disk are the same
