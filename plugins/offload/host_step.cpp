@@ -1,37 +1,97 @@
 // offload to = "cpu": the optimizer steps host masters of the parameters (ZeRO-Offload).
 #include "host_step.h"
 
+#include <map>
+#include <stdexcept>
+#include <utility>
+
+#include <torch/csrc/autograd/variable.h>
+
 #include "offload.h"
 
 namespace frugal::offload {
 
+namespace {
+
+constexpr int64_t kAlignBytes = 64;
+
+// set_data drops a parameter's AccumulateGrad when the device changes: the hooks on it (data
+// parallel's, firing as each gradient is complete) would be lost with it.
+std::weak_ptr<torch::autograd::Node> accumulator_of(const torch::Tensor& p) {
+  auto* meta = torch::autograd::impl::get_autograd_meta(p);
+  if (!meta) return {};
+  std::lock_guard<std::mutex> lock(meta->mutex_);
+  return meta->grad_accumulator_;
+}
+
+void restore_accumulator(const torch::Tensor& p, const std::weak_ptr<torch::autograd::Node>& a) {
+  auto* meta = torch::autograd::impl::get_autograd_meta(p);
+  if (!meta || a.expired()) return;
+  std::lock_guard<std::mutex> lock(meta->mutex_);
+  if (meta->grad_accumulator_.expired()) meta->grad_accumulator_ = a;
+}
+
+}  // namespace
+
 HostStep::HostStep(torch::Device device) : device_(device), pinned_(device.is_cuda()) {}
 
-torch::Tensor HostStep::host_like(const torch::Tensor& t) const {
-  return torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(pinned_));
+std::vector<torch::Tensor> HostStep::host_like(const std::vector<torch::Tensor>& ts) const {
+  std::map<torch::ScalarType, int64_t> total;  // elements per dtype, each tensor 64-byte aligned
+  std::vector<int64_t> at(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const int64_t align = std::max<int64_t>(1, kAlignBytes / static_cast<int64_t>(ts[i].element_size()));
+    int64_t& n = total[ts[i].scalar_type()];
+    at[i] = n;
+    n += (ts[i].numel() + align - 1) / align * align;
+  }
+  std::map<torch::ScalarType, torch::Tensor> flats;
+  for (const auto& [dtype, n] : total)
+    flats[dtype] = torch::empty({n}, torch::TensorOptions().dtype(dtype).pinned_memory(pinned_));
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < ts.size(); ++i)
+    out.push_back(flats[ts[i].scalar_type()].narrow(0, at[i], ts[i].numel()).view(ts[i].sizes()));
+  return out;
 }
 
 void HostStep::to_host(torch::optim::Optimizer& opt) {
   if (on_host()) to_device(false);
-  torch::NoGradGuard no_grad;
   opt_ = &opt;
-  move_state();  // the step reads its state where its parameters are: on the host
-  for (auto& group : opt.param_groups()) {
+  try {
+    move_state();  // the step reads its state where its parameters are: on the host
+    point_at_masters(opt);
+  } catch (...) {
+    to_device(false);  // the parameters moved so far point at their device storage again
+    throw;
+  }
+}
+
+void HostStep::point_at_masters(torch::optim::Optimizer& opt) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> params, fresh;
+  for (auto& group : opt.param_groups())
     for (auto& p : group.params()) {
-      if (!p.grad().defined() || p.device() != device_ || p.numel() == 0) continue;
-      Slot& s = slots_[p.unsafeGetTensorImpl()];
-      if (!s.master.defined()) {
-        s.master = host_like(p);
-        s.grad = host_like(p);
-        s.version = -1;
-      }
-      s.grad.copy_(p.grad());  // device to host, synchronous: the step reads it next
-      if (p._version() != s.version || p.data_ptr() != s.device_ptr) s.master.copy_(p);
-      s.device = p.detach();  // holds the device storage (and shares the version counter)
-      p.mutable_grad() = s.grad;  // the device gradient goes with its last reference
-      p.set_data(s.master);
-      moved_.push_back(p);
+      if (!p.grad().defined() || p.device().type() != device_.type() || p.numel() == 0) continue;
+      params.push_back(p);
+      if (!slots_[p.unsafeGetTensorImpl()].master.defined()) fresh.push_back(p);
     }
+  if (!fresh.empty()) {  // their masters and gradient buffers: one flat each
+    const auto masters = host_like(fresh), grads = host_like(fresh);
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      Slot& s = slots_[fresh[i].unsafeGetTensorImpl()];
+      s.master = masters[i];
+      s.grad = grads[i];
+      s.version = -1;
+    }
+  }
+  for (auto& p : params) {
+    Slot& s = slots_[p.unsafeGetTensorImpl()];
+    s.grad.copy_(p.grad());  // device to host, synchronous: the step reads it next
+    if (p._version() != s.version || p.data_ptr() != s.device_ptr) s.master.copy_(p);
+    s.device = p.detach();  // holds the device storage (and shares the version counter)
+    s.accumulator = accumulator_of(p);
+    p.mutable_grad() = s.grad;  // the device gradient goes with its last reference
+    p.set_data(s.master);
+    moved_.push_back(p);
   }
 }
 
@@ -40,9 +100,10 @@ void HostStep::to_device(bool stepped) {
   for (auto& p : moved_) {
     Slot& s = slots_.at(p.unsafeGetTensorImpl());
     // From pinned memory the copy is queued on the current stream: the master is not written
-    // again before the next to_host, whose synchronous copies wait for it.
+    // again before the next to_host, whose synchronous copies on that stream wait for it.
     if (stepped) s.device.copy_(s.master, /*non_blocking=*/pinned_);
     p.set_data(s.device);
+    restore_accumulator(p, s.accumulator);
     s.device = torch::Tensor();
     if (p.grad().defined() && p.grad().is_alias_of(s.grad)) p.mutable_grad().reset();  // not the device's
     s.version = stepped ? p._version() : -1;
@@ -52,14 +113,16 @@ void HostStep::to_device(bool stepped) {
   if (stepped) move_state();
 }
 
-// Each state tensor of a known type whose bytes are not a host buffer of ours (the first step
-// made it in plain memory; a resume loaded it on the device) is copied into one and points at
-// it. The map is rebuilt from what the optimizer holds: a replaced state's buffer is let go.
+// Each state tensor of a known type whose bytes are not in a host flat of ours (the first step
+// made it in plain memory; a resume loaded it on the device) is copied into a new flat and
+// points at its view. The map is rebuilt from what the optimizer holds: a replaced state's flat
+// is let go with its last tensor.
 void HostStep::move_state() {
   if (!opt_) return;
   torch::NoGradGuard no_grad;
   std::unordered_map<const c10::StorageImpl*, c10::Storage> kept;
-  int64_t unknown = 0;
+  std::vector<torch::Tensor> fresh;
+  int64_t unknown = 0, bytes = 0;
   for (auto& kv : opt_->state()) {
     auto ts = state_tensors(*kv.second);
     if (!ts) {
@@ -68,18 +131,24 @@ void HostStep::move_state() {
     }
     for (auto& t : *ts) {
       if (!t.defined() || t.numel() == 0) continue;
+      bytes += static_cast<int64_t>(t.nbytes());
       const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-      if (auto it = state_.find(key); it != state_.end()) {
+      if (auto it = state_.find(key); it != state_.end())
         kept.insert(*it);
-        continue;
-      }
-      torch::Tensor h = host_like(t);
-      h.copy_(t);
-      t.set_data(h);
-      kept.emplace(h.storage().unsafeGetStorageImpl(), h.storage());
+      else
+        fresh.push_back(t);
+    }
+  }
+  if (!fresh.empty()) {
+    const auto homes = host_like(fresh);
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      homes[i].copy_(fresh[i]);
+      fresh[i].set_data(homes[i]);
+      kept.emplace(homes[i].storage().unsafeGetStorageImpl(), homes[i].storage());
     }
   }
   state_ = std::move(kept);
+  state_bytes_ = bytes;
   unknown_ = unknown;
 }
 
@@ -95,7 +164,7 @@ HostStep::Bytes HostStep::bytes() const {
     if (s.master.defined()) b.masters += static_cast<int64_t>(s.master.nbytes());
     if (s.grad.defined()) b.gradients += static_cast<int64_t>(s.grad.nbytes());
   }
-  for (const auto& [impl, storage] : state_) b.state += static_cast<int64_t>(storage.nbytes());
+  b.state = state_bytes_;
   return b;
 }
 

@@ -8,8 +8,15 @@
 ///
 /// The parameters keep their tensor (the optimizer's key, the model's registration, autograd's
 /// leaf): around the step each one *points at* its master (Tensor::set_data, the same move
-/// PyTorch's FSDP makes for its CPU offload) and at its device storage again after.
+/// PyTorch's FSDP makes for its CPU offload) and at its device storage again after; the
+/// parameter's gradient accumulator (which set_data drops when the device changes) is put back,
+/// so hooks on it (data parallel's overlapped all-reduce) keep firing.
+///
+/// Host buffers come in one flat tensor per kind and dtype (masters, gradients, state), each
+/// tensor a view of it: CUDA's caching host allocator rounds every request up to a power of
+/// two, and a flat is one request.
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -22,7 +29,7 @@ class HostStep {
   /// `device`: the run's. Host buffers are pinned when it is CUDA.
   explicit HostStep(torch::Device device);
 
-  /// Before the optimizer steps: every parameter of `opt` on the run's device with a gradient
+  /// Before the optimizer steps: every parameter of `opt` on the run's device type with a gradient
   /// gets a master in host memory (made once; copied from the device again only when something
   /// else wrote the parameter since: its version counter or its storage moved), its gradient is
   /// copied into a host buffer (the device gradient is let go), and the parameter points at the
@@ -41,7 +48,8 @@ class HostStep {
   /// tensors stay where they are (in host memory).
   void reset();
 
-  /// Host bytes held: masters, gradient buffers, and the optimizer state in host buffers.
+  /// Host bytes held (the tensors', without the flats' alignment): masters, gradient buffers,
+  /// and the optimizer state in host memory.
   struct Bytes {
     int64_t masters = 0;
     int64_t gradients = 0;
@@ -55,8 +63,9 @@ class HostStep {
 
  private:
   struct Slot {
-    torch::Tensor master, grad;  // host copies
+    torch::Tensor master, grad;  // host copies (views of flats)
     torch::Tensor device;        // the device storage while the parameter points at its master
+    std::weak_ptr<torch::autograd::Node> accumulator;  // its AccumulateGrad, kept across set_data
     int64_t version = -1;        // the parameter's version after the last copy back
     const void* device_ptr = nullptr;
   };
@@ -65,11 +74,14 @@ class HostStep {
   std::unordered_map<const c10::TensorImpl*, Slot> slots_;
   std::vector<torch::Tensor> moved_;  // the parameters that point at their masters now
   torch::optim::Optimizer* opt_ = nullptr;
-  std::unordered_map<const c10::StorageImpl*, c10::Storage> state_;  // host state buffers
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> state_;  // host state flats
+  int64_t state_bytes_ = 0;  // the state tensors' bytes at the last move_state
   int64_t unknown_ = 0;
 
-  torch::Tensor host_like(const torch::Tensor& t) const;
+  /// Host tensors shaped like each of `ts`, views of one flat per dtype (pinned on CUDA).
+  std::vector<torch::Tensor> host_like(const std::vector<torch::Tensor>& ts) const;
   void move_state();
+  void point_at_masters(torch::optim::Optimizer& opt);
 };
 
 }  // namespace frugal::offload

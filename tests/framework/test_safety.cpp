@@ -145,6 +145,39 @@ TEST(NonFinite, InStepFailNamesTheSameBatchAndParameterAndWritesNothingAfter) {
   EXPECT_EQ(l->steps(), 2);
 }
 
+/// Replaces the optimizer in before_step (after the non-finite check's) at one iteration.
+struct ReplaceOptimizerBeforeStep : Callback {
+  explicit ReplaceOptimizerBeforeStep(int64_t i) : at(i) {}
+  std::string name() const override { return "replace_optimizer_before_step"; }
+  int order() const override { return order::kGradientClip + 10; }
+  void before_step(Learner& l) override {
+    if (l.iteration() == at) l.set_optimizer(l.optimizer_options());
+  }
+  int64_t at;
+};
+
+// The verdict was asked of an optimizer that a later before_step hook replaced: the gradients
+// are scanned when the new one is announced (a poisoned step fails, not taken), and a clean one
+// trains on.
+TEST(NonFinite, InStepScansWhenTheOptimizerIsReplacedAfterTheRequest) {
+  for (const bool poisoned : {true, false}) {
+    auto l = make_tiny_learner();
+    l->add_callback(std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Fail, NonFiniteCheck::Scan::InStep));
+    l->add_callback(std::make_shared<ReplaceOptimizerBeforeStep>(2));
+    if (poisoned) l->add_callback(std::make_shared<PoisonGradient>(last_parameter(*l), std::vector<int64_t>{2}));
+    const std::string msg = message_of([&] { l->fit(1); });
+    if (!poisoned) {
+      EXPECT_EQ(msg, "");
+      EXPECT_EQ(l->steps(), 4);
+      continue;
+    }
+    EXPECT_NE(msg.find("non-finite gradient in stage"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("first non-finite gradient: " + last_parameter(*l)), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("found by the optimizer's step"), std::string::npos) << msg;
+    EXPECT_EQ(l->steps(), 2);
+  }
+}
+
 TEST(NonFinite, SkipModeSkipsAndCountsTheStepsAndParametersStayFinite) {
   auto l = make_tiny_learner();
   auto check = std::make_shared<NonFiniteCheck>(NonFiniteCheck::Mode::Skip);

@@ -104,18 +104,23 @@ void NonFiniteCheck::before_forward(Learner& l) {
 // The next forward starts a step when no gradient is pending: this batch stepped, or its step
 // was skipped and the gradients dropped. An accumulation group's inner batch keeps them.
 void NonFiniteCheck::after_batch(Learner& l) {
+  withdraw_request(l);
   if (mode_ == Mode::Skip) snapshot_due_ = !has_pending_gradient(*l.model());
 }
 
 // Scan::InStep in Mode::Fail: the optimizer, when it can check the gradients its step reads and
 // it steps them all (zero's shard optimizers step a part on each rank: a verdict there would
 // need every rank's).
-// Clipping by value (GradClip, after this check) would clamp an inf into range before the step
-// sees it: the scan before the step then.
+// Clipping (GradClip, after this check) would change what the step sees: by value it clamps an
+// inf into range, by norm a NaN norm spreads to every gradient (the first parameter would be
+// named, not the culprit): the scan before the step then. Data parallel: each rank's step finds
+// the same gradient only when the gradients were reduced in this batch; otherwise the ranks'
+// verdicts must be agreed before the step (Collective::any below).
 GradientVerdict* NonFiniteCheck::riding_verdict(Learner& l) const {
   if (mode_ != Mode::Fail || scan_ != Scan::InStep || l.per_rank_optimizer_state() ||
-      l.optimizer_options().clip_grad_value > 0)
+      l.optimizer_options().clip_grad_value > 0 || l.optimizer_options().clip_grad_norm > 0)
     return nullptr;
+  if (l.collective().distributed() && !(dp_ && dp_->synced_this_batch())) return nullptr;
   return dynamic_cast<GradientVerdict*>(&l.optimizer());
 }
 
@@ -177,7 +182,11 @@ void NonFiniteCheck::after_step(Learner& l) {
   if (verdict_due_ < 0) return;
   const int64_t due = std::exchange(verdict_due_, -1);
   const auto* v = dynamic_cast<const GradientVerdict*>(&l.optimizer());
-  if (!v || v->checked_steps() != due || !v->first_nonfinite().defined()) return;
+  if (!v || v->checked_steps() != due)
+    throw Error("the non-finite check asked the optimizer's step for its gradients' verdict and "
+                "got none (the optimizer changed after the check): this step's gradients were "
+                "not checked");
+  if (!v->first_nonfinite().defined()) return;
   NonFiniteEvent e = event_at(l);
   e.what = "gradient";
   e.loss = step_loss_;
@@ -189,6 +198,30 @@ void NonFiniteCheck::after_step(Learner& l) {
   last_ = e;
   throw Error(e.describe());
 }
+
+// A callback's before_step after this one replaced the optimizer: the verdict asked of the old
+// one will not come. The gradients are still there: scanned now, as before any step.
+void NonFiniteCheck::optimizer_replaced(Learner& l) {
+  if (verdict_due_ < 0) return;
+  verdict_due_ = -1;
+  if (auto p = first_nonfinite_gradient(*l.model())) {
+    NonFiniteEvent e = event_at(l);
+    e.what = "gradient";
+    e.loss = step_loss_;
+    e.parameter = *p;
+    last_ = e;
+    throw Error(e.describe());
+  }
+}
+
+// A request the step did not use (a later before_step hook threw, or skipped it) is withdrawn:
+// the next step is asked afresh.
+void NonFiniteCheck::withdraw_request(Learner& l) {
+  verdict_due_ = -1;
+  if (auto* v = dynamic_cast<GradientVerdict*>(&l.optimizer())) v->cancel_check();
+}
+
+void NonFiniteCheck::release_caches(Learner& l) { withdraw_request(l); }
 
 void NonFiniteCheck::snapshot_buffers(Learner& l) {
   torch::NoGradGuard no_grad;

@@ -18,11 +18,14 @@
 /// Scan::InStep (what `frugal train` runs with on_nonfinite = "fail"): where the optimizer's
 /// step can check the gradients itself (GradientVerdict: frugal's fused adam, adamw and sgd)
 /// and steps them all on this rank (not zero's shards), and no clip by value would clamp an inf
-/// into range first (optimizer.clip_grad_value), the gradients are not scanned before
+/// into range first nor a clip by norm spread a NaN (optimizer.clip_grad_value, clip_grad_norm),
+/// and in data parallel the gradients were reduced in this batch, the gradients are not scanned before
 /// the step; the fused pass finds an inf or a NaN while it updates, and after_step fails the fit
 /// with the same error. That step's update then reached the parameters in memory (the event
 /// says so: step_ran); nothing is written after it, so the checkpoints on disk are the same
-/// as with the scan before. The loss is checked before the step either way.
+/// as with the scan before. The loss is checked before the step either way. It checks the
+/// gradients the optimizer steps; a parameter with a gradient the optimizer does not hold is not
+/// stepped, and not checked.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -82,6 +85,11 @@ class NonFiniteCheck : public Callback {
   void before_step(Learner& l) override;
   /// Scan::InStep: fails the fit when the step found a non-finite gradient.
   void after_step(Learner& l) override;
+  /// Scan::InStep: the optimizer asked for a verdict was replaced before its step: the
+  /// gradients are scanned then.
+  void optimizer_replaced(Learner& l) override;
+  /// A verdict asked and not used (the step did not come) is withdrawn.
+  void release_caches(Learner& l) override;
   /// Mode::Skip: notes whether the next forward starts a new step (no gradient is pending).
   void after_batch(Learner& l) override;
   /// Mode::Skip: the bytes of the buffers' copy.
@@ -103,6 +111,7 @@ class NonFiniteCheck : public Callback {
   void snapshot_buffers(Learner& l);
   void restore_buffers(Learner& l) const;
   GradientVerdict* riding_verdict(Learner& l) const;
+  void withdraw_request(Learner& l);
   NonFiniteEvent event_at(const Learner& l) const;
 
   Mode mode_;

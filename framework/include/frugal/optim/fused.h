@@ -35,6 +35,8 @@ class GradientVerdict {
   virtual ~GradientVerdict() = default;
   /// The next step() checks every gradient it reads.
   void check_next_step() { check_next_ = true; }
+  /// Withdraws a check_next_step that no step used.
+  void cancel_check() { check_next_ = false; }
   /// Steps that checked, so far: a verdict belongs to the step that made it.
   int64_t checked_steps() const { return checked_steps_; }
   /// After a step that checked: the first parameter (param_groups order) whose gradient held
