@@ -343,6 +343,56 @@ torch::Tensor fused_adam_step(Base& self, GradientVerdict& verdict,
   return loss;
 }
 
+// One parameter's part of a fused SGD step.
+struct SgdWork {
+  float *p, *buf;
+  const float* g;
+  int64_t n;
+  SgdArgs args;
+  const torch::Tensor* param;
+};
+
+std::vector<SgdWork> sgd_work(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                              decltype(std::declval<torch::optim::Optimizer&>().state())& state) {
+  std::vector<SgdWork> work;
+  for (auto& group : groups) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      SgdArgs a{static_cast<float>(o.weight_decay()), static_cast<float>(o.momentum()),
+                static_cast<float>(1 - o.dampening()), static_cast<float>(-1 * o.lr()),
+                o.weight_decay() != 0, false, o.nesterov()};
+      float* buf = nullptr;
+      if (o.momentum() != 0) {
+        auto& slot = state[compat::optimizer_state_key(p)];
+        if (!slot) {  // LibTorch: buf = clone(d_p), which the pass writes
+          auto s = std::make_unique<torch::optim::SGDParamState>();
+          s->momentum_buffer(torch::empty_like(p, torch::MemoryFormat::Preserve));
+          slot = std::move(s);
+          a.first = true;
+        }
+        buf = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer().data_ptr<float>();
+      }
+      work.push_back({p.data_ptr<float>(), buf, p.grad().data_ptr<float>(), p.numel(), a, &p});
+    }
+  }
+  return work;
+}
+
+// The pass; checking, the first work item whose gradient held an inf or a NaN (or -1).
+int64_t run_sgd(const std::vector<SgdWork>& work, bool check) {
+  std::vector<int64_t> sizes;
+  for (const auto& w : work) sizes.push_back(w.n);
+  const auto kernel = cpu_has_fma() ? sgd_fma : sgd_plain;
+  SpanVerdicts verdicts(check ? work.size() : 0);
+  for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
+    const SgdWork& w = work[k];
+    const uint32_t mx = kernel(w.p + b, w.g + b, w.buf ? w.buf + b : nullptr, e - b, w.args, check);
+    if (check) verdicts.note(k, mx);
+  });
+  return verdicts.first();
+}
+
 bool sgd_ok(const torch::optim::SGDOptions& o) {
   return !(o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0));  // LibTorch refuses it
 }
@@ -367,48 +417,9 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     unfused_step(*this, check, param_groups_, [&] { torch::optim::SGD::step(nullptr); });
     return loss;
   }
-  struct Work {
-    float *p, *buf;
-    const float* g;
-    int64_t n;
-    SgdArgs args;
-    const torch::Tensor* param;
-  };
-  std::vector<Work> work;
-  std::vector<int64_t> sizes;
-  for (auto& group : param_groups_) {
-    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      SgdArgs a{static_cast<float>(o.weight_decay()), static_cast<float>(o.momentum()),
-                static_cast<float>(1 - o.dampening()), static_cast<float>(-1 * o.lr()),
-                o.weight_decay() != 0, false, o.nesterov()};
-      float* buf = nullptr;
-      if (o.momentum() != 0) {
-        auto& slot = state_[compat::optimizer_state_key(p)];
-        if (!slot) {  // LibTorch: buf = clone(d_p), which the pass writes
-          auto s = std::make_unique<torch::optim::SGDParamState>();
-          s->momentum_buffer(torch::empty_like(p, torch::MemoryFormat::Preserve));
-          slot = std::move(s);
-          a.first = true;
-        }
-        buf = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer().data_ptr<float>();
-      }
-      work.push_back({p.data_ptr<float>(), buf, p.grad().data_ptr<float>(), p.numel(), a, &p});
-      sizes.push_back(p.numel());
-    }
-  }
-  const auto kernel = cpu_has_fma() ? sgd_fma : sgd_plain;
-  SpanVerdicts verdicts(check ? work.size() : 0);
-  for_each_chunk(sizes, [&](size_t k, int64_t b, int64_t e) {
-    const Work& w = work[k];
-    const uint32_t mx = kernel(w.p + b, w.g + b, w.buf ? w.buf + b : nullptr, e - b, w.args, check);
-    if (check) verdicts.note(k, mx);
-  });
-  if (check) {
-    const int64_t bad = verdicts.first();
-    record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), true);
-  }
+  const auto work = sgd_work(param_groups_, state_);
+  const int64_t bad = run_sgd(work, check);
+  if (check) record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), true);
   return loss;
 }
 
