@@ -15,6 +15,8 @@ inline constexpr const char* kVersion = "0.1.0";
 // NonFiniteCheck and StopCallback's layouts. 11: Learner::set_optimizer_state_offloaded (the
 // Learner's layout changed); resident() and register_offloaded_deleter (tensor_bytes counts
 // only resident bytes). 12: Learner::set_parameter_shards and FullParameters (the Learner's
-// layout changed); resident() is false for storage freed to 0 bytes.
-inline constexpr int kAbiVersion = 12;
+// layout changed); resident() is false for storage freed to 0 bytes. 13: FusedAdam, FusedAdamW
+// and FusedSGD derive from GradientVerdict too (their layout changed); NonFiniteCheck's layout
+// (Scan, the verdict it waits for).
+inline constexpr int kAbiVersion = 13;
 }  // namespace frugal
