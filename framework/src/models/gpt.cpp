@@ -49,8 +49,10 @@ struct CausalSelfAttentionImpl : nn::Module, AttentionModule {
         c_proj(register_module("c_proj", AdaptableLinear(width, width, true, layout))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
-    auto qkv = c_attn(x).reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4});
-    // q, k, v [B, H, T, D]; the kernel a plugin may have set (chunked_attention)
+    // q, k, v [B, H, T, D], views of the projection: unbind's backward stacks their gradients
+    // into one tensor (indexing each would zero-fill a whole [3, B, H, T, D] per part, then sum)
+    const auto qkv = c_attn(x).reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
+    // the kernel a plugin may have set (chunked_attention)
     auto y = causal_attention(qkv[0], qkv[1], qkv[2], kernel_, p, is_training()).transpose(1, 2).reshape({b, t, w});
     return drop(c_proj(y), p, is_training());
   }
