@@ -3,6 +3,7 @@
 
 #include <map>
 #include <stdexcept>
+#include <unordered_set>
 #include <utility>
 
 #include <torch/csrc/autograd/variable.h>
@@ -33,23 +34,61 @@ void restore_accumulator(const torch::Tensor& p, const std::weak_ptr<torch::auto
 
 }  // namespace
 
-HostStep::HostStep(torch::Device device) : device_(device), pinned_(device.is_cuda()) {}
+HostStep::HostStep(torch::Device device, int64_t chunk_bytes)
+    : device_(device), pinned_(device.is_cuda()), chunk_bytes_(chunk_bytes) {
+  if (chunk_bytes < kAlignBytes || (chunk_bytes & (chunk_bytes - 1)) != 0)
+    throw std::invalid_argument("HostStep: chunk_bytes must be a power of two of at least 64");
+}
 
+// Tensors are packed first-fit into chunks of chunk_bytes_ per dtype, each chunk one request of a
+// power-of-two size (CUDA's caching host allocator rounds every request up to one: a chunk of
+// exactly that size wastes nothing, the last one at most half of itself); a tensor larger than
+// a chunk is a request of its own.
 std::vector<torch::Tensor> HostStep::host_like(const std::vector<torch::Tensor>& ts) const {
-  std::map<torch::ScalarType, int64_t> total;  // elements per dtype, each tensor 64-byte aligned
-  std::vector<int64_t> at(ts.size());
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const int64_t align = std::max<int64_t>(1, kAlignBytes / static_cast<int64_t>(ts[i].element_size()));
-    int64_t& n = total[ts[i].scalar_type()];
-    at[i] = n;
-    n += (ts[i].numel() + align - 1) / align * align;
+  struct Place {
+    size_t chunk;
+    int64_t at;  // elements
+  };
+  struct Chunk {
+    torch::ScalarType dtype;
+    int64_t used = 0, capacity = 0;  // elements
+  };
+  std::vector<Chunk> chunks;
+  std::vector<Place> places;
+  std::map<torch::ScalarType, size_t> open;  // the chunk each dtype is filling
+  for (const auto& t : ts) {
+    const int64_t size = static_cast<int64_t>(t.element_size());
+    const int64_t align = std::max<int64_t>(1, kAlignBytes / size), per_chunk = chunk_bytes_ / size;
+    const int64_t n = (t.numel() + align - 1) / align * align;
+    auto it = open.find(t.scalar_type());
+    if (n > per_chunk) {  // alone
+      chunks.push_back({t.scalar_type(), n, n});
+      places.push_back({chunks.size() - 1, 0});
+      continue;
+    }
+    if (it == open.end() || chunks[it->second].used + n > per_chunk) {
+      chunks.push_back({t.scalar_type(), 0, per_chunk});
+      it = open.insert_or_assign(t.scalar_type(), chunks.size() - 1).first;
+    }
+    Chunk& c = chunks[it->second];
+    places.push_back({it->second, c.used});
+    c.used += n;
   }
-  std::map<torch::ScalarType, torch::Tensor> flats;
-  for (const auto& [dtype, n] : total)
-    flats[dtype] = torch::empty({n}, torch::TensorOptions().dtype(dtype).pinned_memory(pinned_));
+  std::vector<torch::Tensor> flats;
+  for (const Chunk& c : chunks) {
+    // A chunk no one filled to its capacity: the used bytes' power of two, at least one page.
+    int64_t elements = c.used;
+    if (c.used < c.capacity) {
+      const int64_t size = static_cast<int64_t>(c10::elementSize(c.dtype));
+      int64_t bytes = 4096;
+      while (bytes < c.used * size) bytes *= 2;
+      elements = bytes / size;
+    }
+    flats.push_back(torch::empty({elements}, torch::TensorOptions().dtype(c.dtype).pinned_memory(pinned_)));
+  }
   std::vector<torch::Tensor> out;
   for (size_t i = 0; i < ts.size(); ++i)
-    out.push_back(flats[ts[i].scalar_type()].narrow(0, at[i], ts[i].numel()).view(ts[i].sizes()));
+    out.push_back(flats[places[i].chunk].narrow(0, places[i].at, ts[i].numel()).view(ts[i].sizes()));
   return out;
 }
 
@@ -68,13 +107,16 @@ void HostStep::to_host(torch::optim::Optimizer& opt) {
 void HostStep::point_at_masters(torch::optim::Optimizer& opt) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> params, fresh;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tensor in two groups moves once
   for (auto& group : opt.param_groups())
     for (auto& p : group.params()) {
-      if (!p.grad().defined() || p.device().type() != device_.type() || p.numel() == 0) continue;
+      if (!p.grad().defined() || p.device().type() != device_.type() || p.numel() == 0 ||
+          !seen.insert(p.unsafeGetTensorImpl()).second)
+        continue;
       params.push_back(p);
       if (!slots_[p.unsafeGetTensorImpl()].master.defined()) fresh.push_back(p);
     }
-  if (!fresh.empty()) {  // their masters and gradient buffers: one flat each
+  if (!fresh.empty()) {  // their masters and gradient buffers
     const auto masters = host_like(fresh), grads = host_like(fresh);
     for (size_t i = 0; i < fresh.size(); ++i) {
       Slot& s = slots_[fresh[i].unsafeGetTensorImpl()];
@@ -113,10 +155,10 @@ void HostStep::to_device(bool stepped) {
   if (stepped) move_state();
 }
 
-// Each state tensor of a known type whose bytes are not in a host flat of ours (the first step
-// made it in plain memory; a resume loaded it on the device) is copied into a new flat and
-// points at its view. The map is rebuilt from what the optimizer holds: a replaced state's flat
-// is let go with its last tensor.
+// Each state tensor of a known type whose bytes are not in a host chunk of ours (the first step
+// made it in plain memory; a resume loaded it on the device) is copied into new chunks and
+// points at its view. The map is rebuilt from what the optimizer holds: a replaced state's
+// chunk is let go with its last tensor.
 void HostStep::move_state() {
   if (!opt_) return;
   torch::NoGradGuard no_grad;
@@ -152,9 +194,16 @@ void HostStep::move_state() {
   unknown_ = unknown;
 }
 
-void HostStep::reset() {
+void HostStep::release_buffers() {
   if (on_host()) to_device(false);
   slots_.clear();
+}
+
+void HostStep::reset() {
+  release_buffers();
+  state_.clear();  // the old optimizer's state goes with it
+  state_bytes_ = 0;
+  unknown_ = 0;
   opt_ = nullptr;
 }
 

@@ -12,9 +12,9 @@
 /// parameter's gradient accumulator (which set_data drops when the device changes) is put back,
 /// so hooks on it (data parallel's overlapped all-reduce) keep firing.
 ///
-/// Host buffers come in one flat tensor per kind and dtype (masters, gradients, state), each
-/// tensor a view of it: CUDA's caching host allocator rounds every request up to a power of
-/// two, and a flat is one request.
+/// Host buffers come in chunks of 256 MiB per kind and dtype (masters, gradients, state), each
+/// tensor a view of one: CUDA's caching host allocator rounds every request up to a power of
+/// two, which a chunk already is.
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
@@ -26,8 +26,9 @@ namespace frugal::offload {
 
 class HostStep {
  public:
-  /// `device`: the run's. Host buffers are pinned when it is CUDA.
-  explicit HostStep(torch::Device device);
+  /// `device`: the run's. Host buffers are pinned when it is CUDA, in chunks of `chunk_bytes`
+  /// (a power of two; tests make it small).
+  explicit HostStep(torch::Device device, int64_t chunk_bytes = int64_t{256} << 20);
 
   /// Before the optimizer steps: every parameter of `opt` on the run's device type with a gradient
   /// gets a master in host memory (made once; copied from the device again only when something
@@ -44,11 +45,13 @@ class HostStep {
   void to_device(bool stepped);
   /// Whether the parameters point at their masters now (between to_host and to_device).
   bool on_host() const { return !moved_.empty(); }
-  /// Forgets every master and buffer: a new optimizer, whose parameters may differ. State
-  /// tensors stay where they are (in host memory).
+  /// Frees the masters and gradient buffers (the fit ended); the state is the optimizer's.
+  void release_buffers();
+  /// Forgets everything of the optimizer it served: a new one, whose parameters may differ.
+  /// State tensors stay where they are (in host memory, the old optimizer's).
   void reset();
 
-  /// Host bytes held (the tensors', without the flats' alignment): masters, gradient buffers,
+  /// Host bytes held (the tensors', without the chunks' alignment): masters, gradient buffers,
   /// and the optimizer state in host memory.
   struct Bytes {
     int64_t masters = 0;
@@ -63,7 +66,7 @@ class HostStep {
 
  private:
   struct Slot {
-    torch::Tensor master, grad;  // host copies (views of flats)
+    torch::Tensor master, grad;  // host copies (views of chunks)
     torch::Tensor device;        // the device storage while the parameter points at its master
     std::weak_ptr<torch::autograd::Node> accumulator;  // its AccumulateGrad, kept across set_data
     int64_t version = -1;        // the parameter's version after the last copy back
@@ -71,14 +74,15 @@ class HostStep {
   };
   torch::Device device_;
   bool pinned_;
+  int64_t chunk_bytes_;
   std::unordered_map<const c10::TensorImpl*, Slot> slots_;
   std::vector<torch::Tensor> moved_;  // the parameters that point at their masters now
   torch::optim::Optimizer* opt_ = nullptr;
-  std::unordered_map<const c10::StorageImpl*, c10::Storage> state_;  // host state flats
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> state_;  // host state chunks
   int64_t state_bytes_ = 0;  // the state tensors' bytes at the last move_state
   int64_t unknown_ = 0;
 
-  /// Host tensors shaped like each of `ts`, views of one flat per dtype (pinned on CUDA).
+  /// Host tensors shaped like each of `ts`, views of chunks per dtype (pinned on CUDA).
   std::vector<torch::Tensor> host_like(const std::vector<torch::Tensor>& ts) const;
   void move_state();
   void point_at_masters(torch::optim::Optimizer& opt);

@@ -417,7 +417,7 @@ void Offload::after_fit(frugal::Learner& l) {
                frugal::format_bytes(b.masters), frugal::format_bytes(b.gradients),
                frugal::format_bytes(b.state), l.device().is_cuda() ? "pinned" : "plain",
                host_->unknown_states() ? "; states of an unknown type stayed where the step made them" : "");
-    host_->reset();  // the masters and gradient buffers go; the state is the optimizer's
+    host_->release_buffers();  // the masters and gradient buffers go; the state is the optimizer's
     return;
   }
   const StateBytes b = state_bytes(l.optimizer());

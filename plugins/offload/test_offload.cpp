@@ -144,7 +144,7 @@ TEST(OffloadMath, TheHostStepGivesBitwiseTheWeightsOfTheStepOnTheParameters) {
     Twins twins(name, 32, 200);
     auto &a = twins.a, &b = twins.b;
     auto &oa = twins.oa, &ob = twins.ob;
-    off::HostStep host(torch::kCPU);
+    off::HostStep host(torch::kCPU, 16 << 10);  // chunks of 16 KiB: the weight and its moments alone
     const c10::TensorImpl* weight = b->weight.unsafeGetTensorImpl();
     const auto backward = [](torch::nn::Linear& m, int i) {
       torch::manual_seed(10 + i);
