@@ -94,9 +94,13 @@ std::vector<torch::Tensor> HostStep::host_like(const std::vector<torch::Tensor>&
 
 void HostStep::to_host(torch::optim::Optimizer& opt) {
   if (on_host()) to_device(false);
+  // The step reads its state where its parameters are, on the host: what a load put elsewhere
+  // comes home at the first step for this optimizer (after construction or reset); the step's
+  // own new state moves after each step (to_device).
+  const bool first = opt_ != &opt;
   opt_ = &opt;
   try {
-    move_state();  // the step reads its state where its parameters are: on the host
+    if (first) move_state();
     point_at_masters(opt);
   } catch (...) {
     to_device(false);  // the parameters moved so far point at their device storage again

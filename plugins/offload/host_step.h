@@ -35,7 +35,8 @@ class HostStep {
   /// else wrote the parameter since: its version counter or its storage moved), its gradient is
   /// copied into a host buffer (the device gradient is let go), and the parameter points at the
   /// master with that buffer as its gradient. State tensors not in host memory yet (a resume
-  /// loads them on the device) move there first.
+  /// loads them on the device) move there first, at the first call for `opt`: a state loaded
+  /// between two steps needs reset() (the plugin makes a new HostStep for each fit).
   void to_host(torch::optim::Optimizer& opt);
   /// After the step (`stepped`): the masters' new values are copied to the device and every
   /// parameter points at its device storage again; the state the step made moves into host

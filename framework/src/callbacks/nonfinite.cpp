@@ -177,6 +177,19 @@ void NonFiniteCheck::before_step(Learner& l) {
   l.zero_grad();
 }
 
+// The gradient found after the scan's place (in the step, or when the optimizer changed):
+// the fit fails as the scan before the step would have made it.
+void NonFiniteCheck::fail_at_gradient(const Learner& l, std::string parameter, int64_t steps, bool ran) {
+  NonFiniteEvent e = event_at(l);
+  e.what = "gradient";
+  e.loss = step_loss_;
+  e.parameter = std::move(parameter);
+  e.steps = steps;
+  e.step_ran = ran;
+  last_ = e;
+  throw Error(e.describe());
+}
+
 // Every rank of a data-parallel run reads the same reduced gradients: each finds the same one.
 void NonFiniteCheck::after_step(Learner& l) {
   if (verdict_due_ < 0) return;
@@ -187,16 +200,12 @@ void NonFiniteCheck::after_step(Learner& l) {
                 "got none (the optimizer changed after the check): this step's gradients were "
                 "not checked");
   if (!v->first_nonfinite().defined()) return;
-  NonFiniteEvent e = event_at(l);
-  e.what = "gradient";
-  e.loss = step_loss_;
-  e.steps = l.steps() - 1;  // the steps before this one, as the scan before the step says
-  e.step_ran = v->nonfinite_step_ran();
+  std::string name;
   const c10::TensorImpl* bad = v->first_nonfinite().unsafeGetTensorImpl();
   for (const auto& p : l.model()->named_parameters())
-    if (p.value().unsafeGetTensorImpl() == bad) e.parameter = p.key();
-  last_ = e;
-  throw Error(e.describe());
+    if (p.value().unsafeGetTensorImpl() == bad) name = p.key();
+  // steps: those before this one, as the scan before the step says
+  fail_at_gradient(l, name, l.steps() - 1, v->nonfinite_step_ran());
 }
 
 // A callback's before_step after this one replaced the optimizer: the verdict asked of the old
@@ -204,19 +213,13 @@ void NonFiniteCheck::after_step(Learner& l) {
 void NonFiniteCheck::optimizer_replaced(Learner& l) {
   if (verdict_due_ < 0) return;
   verdict_due_ = -1;
-  if (auto p = first_nonfinite_gradient(*l.model())) {
-    NonFiniteEvent e = event_at(l);
-    e.what = "gradient";
-    e.loss = step_loss_;
-    e.parameter = *p;
-    last_ = e;
-    throw Error(e.describe());
-  }
+  if (auto p = first_nonfinite_gradient(*l.model())) fail_at_gradient(l, *p, l.steps(), false);
 }
 
 // A request the step did not use (a later before_step hook threw, or skipped it) is withdrawn:
-// the next step is asked afresh.
+// the next step is asked afresh. Nothing to do, and no lookup, in the common batch.
 void NonFiniteCheck::withdraw_request(Learner& l) {
+  if (verdict_due_ < 0) return;
   verdict_due_ = -1;
   if (auto* v = dynamic_cast<GradientVerdict*>(&l.optimizer())) v->cancel_check();
 }

@@ -32,10 +32,12 @@ using cpu_arith::madd;
 // (an integer maximum, which vectorizes) tells.
 constexpr uint32_t kExponent = 0x7f800000u;
 
-FRUGAL_ALWAYS_INLINE uint32_t exponent_of(float x) {
+// Keeps in `largest` the largest exponent field seen (x's bits as an integer: it vectorizes).
+FRUGAL_ALWAYS_INLINE void keep_largest_exponent(uint32_t& largest, float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
-  return bits & kExponent;
+  const uint32_t e = bits & kExponent;
+  largest = e > largest ? e : largest;
 }
 
 // ---- Adam and AdamW -------------------------------------------------------------------------
@@ -62,10 +64,7 @@ FRUGAL_ALWAYS_INLINE uint32_t adam_span(float* __restrict p, const float* __rest
     float pi = p[i];
     if constexpr (kDecay) pi = pi * a.decay;
     float gi = g[i];
-    if constexpr (kCheck) {
-      const uint32_t e = exponent_of(gi);
-      mx = e > mx ? e : mx;
-    }
+    if constexpr (kCheck) keep_largest_exponent(mx, gi);
     if constexpr (kL2) gi = madd<kFma>(pi, a.l2, gi);
     const float mi = madd<kFma>(gi, a.omb1, m[i] * a.b1);
     const float vi = madd<kFma>(a.omb2 * gi, gi, v[i] * a.b2);
@@ -119,10 +118,7 @@ FRUGAL_ALWAYS_INLINE uint32_t sgd_span(float* __restrict p, const float* __restr
   uint32_t mx = 0;
   for (int64_t i = 0; i < n; ++i) {
     float d = g[i];
-    if constexpr (kCheck) {
-      const uint32_t e = exponent_of(d);
-      mx = e > mx ? e : mx;
-    }
+    if constexpr (kCheck) keep_largest_exponent(mx, d);
     if constexpr (kL2) d = madd<kFma>(p[i], a.l2, d);
     if constexpr (kMomentum) {
       const float b = a.first ? d : madd<kFma>(d, a.omd, buf[i] * a.mom);
@@ -157,10 +153,7 @@ uint32_t sgd_plain(float* p, const float* g, float* buf, int64_t n, const SgdArg
 template <int>
 FRUGAL_ALWAYS_INLINE uint32_t max_exponent(const float* __restrict x, int64_t n) {
   uint32_t mx = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t e = exponent_of(x[i]);
-    mx = e > mx ? e : mx;
-  }
+  for (int64_t i = 0; i < n; ++i) keep_largest_exponent(mx, x[i]);
   return mx;
 }
 FRUGAL_FMA_TARGET uint32_t max_exponent_avx2(const float* x, int64_t n) { return max_exponent<1>(x, n); }
@@ -241,6 +234,12 @@ torch::Tensor first_nonfinite_parameter(const std::vector<torch::optim::Optimize
     for (const auto& p : group.params())
       if (p.grad().defined() && !all_finite({p.grad()})) return p;
   return {};
+}
+
+// A fused pass's verdict: the parameter of work item `bad` (-1: none); the pass ran regardless.
+template <class Work>
+void record_pass(GradientVerdict& verdict, const std::vector<Work>& work, int64_t bad) {
+  verdict.record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), /*ran=*/true);
 }
 
 // LibTorch's step where the fused pass does not apply. Asked to check: the gradients are
@@ -339,7 +338,7 @@ torch::Tensor fused_adam_step(Base& self, GradientVerdict& verdict,
   }
   const auto work = adam_work<State, GroupOptions>(groups, state, decoupled);
   const int64_t bad = run_adam(work, check);
-  if (check) verdict.record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), true);
+  if (check) record_pass(verdict, work, bad);
   return loss;
 }
 
@@ -419,7 +418,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   }
   const auto work = sgd_work(param_groups_, state_);
   const int64_t bad = run_sgd(work, check);
-  if (check) record_verdict(bad >= 0 ? *work[static_cast<size_t>(bad)].param : torch::Tensor(), true);
+  if (check) record_pass(*this, work, bad);
   return loss;
 }
 

@@ -112,6 +112,7 @@ class NonFiniteCheck : public Callback {
   void restore_buffers(Learner& l) const;
   GradientVerdict* riding_verdict(Learner& l) const;
   void withdraw_request(Learner& l);
+  [[noreturn]] void fail_at_gradient(const Learner& l, std::string parameter, int64_t steps, bool ran);
   NonFiniteEvent event_at(const Learner& l) const;
 
   Mode mode_;
