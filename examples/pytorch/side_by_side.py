@@ -790,8 +790,20 @@ def printed(r):
                 valid_acc=pct(r.get("valid_accuracy")))
 
 
-def exactness(name, f_runs, p_runs):
-    """(problems that fail the run, warnings, a sentence for the footnote)."""
+def close(f, p):
+    """Equal to float rounding: losses within 1e-4 relative, accuracy within 0.1 point (one
+    next-byte prediction in a thousand flipped by a last-digit difference)."""
+    near = lambda a, b: a is None or b is None or abs(a - b) <= 1e-4 * max(abs(a), abs(b), 1e-12)
+    acc = lambda a, b: a is None or b is None or abs(a - b) <= 1e-3
+    return (near(f["final_loss"], p["final_loss"]) and near(f.get("valid_loss"), p.get("valid_loss"))
+            and acc(f.get("valid_accuracy"), p.get("valid_accuracy")))
+
+
+def exactness(name, f_runs, p_runs, kind="image"):
+    """(problems that fail the run, warnings, a sentence for the footnote). The gpt's sides run
+    different attention kernels (frugal's fused one sums in another order and computes exp its
+    own way: attention.h), so they agree to rounding, not to every digit; the mlp and cnn run
+    the same kernels and must agree to every printed digit."""
     keys = ("final_loss", "valid_loss", "valid_accuracy")
     exact = lambda rs: len({json.dumps([r.get(k) for k in keys]) for r in rs}) == 1
     fails, warns = [], []
@@ -808,7 +820,8 @@ def exactness(name, f_runs, p_runs):
             + ", ".join(f"{r['final_loss']!r} ({r['threads']} thread(s))" for r in f_runs))
     f, p = f_runs[0], pt[0]
     diff = abs(f["final_loss"] - p["final_loss"])
-    if printed(f) != printed(p):
+    rounding = kind == "gpt" and close(f, p)
+    if printed(f) != printed(p) and not rounding:
         a, b = printed(f), printed(p)
         warns.append(f"{name}: frugal and PyTorch differ in the printed digits (train loss "
                      f"{a['train_loss']} / {b['train_loss']}, valid loss {a['valid_loss']} / "
@@ -822,7 +835,8 @@ def exactness(name, f_runs, p_runs):
     return fails, warns, (
         f"{name}: PyTorch's {len(pt)} runs (all allocators and rounds) {same(pt)}, frugal's "
         f"{len(f_runs)} round(s) {same(f_runs)}; frugal against PyTorch: "
-        + ("equal to every printed digit" if printed(f) == printed(p) else "DIFFERENT")
+        + ("equal to every printed digit" if printed(f) == printed(p) else
+           "equal to rounding (frugal's fused attention kernel)" if rounding else "DIFFERENT")
         + f", train loss |difference| {diff:.2g}")
 
 
@@ -1017,7 +1031,7 @@ def main():
         ps = {v: summary(cfg, rs) for v, rs in p_runs.items()}
         best = min(ps, key=lambda v: ps[v]["epoch"])
         rows.append((cfg, summary(cfg, f_runs), ps, best))
-        fl, wa, sentence = exactness(Path(config).stem, f_runs, p_runs)
+        fl, wa, sentence = exactness(Path(config).stem, f_runs, p_runs, cfg.get("kind", "image"))
         fails += fl
         notes["warnings"] += fl + wa
         notes["exact"].append(sentence)

@@ -7,7 +7,7 @@
 #include <cmath>
 
 #include "frugal/optim/adam8bit.h"
-#include "optim/cpu_arith.h"
+#include "base/cpu_arith.h"
 
 namespace frugal::quant8 {
 namespace {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "frugal/base/compat.h"
-#include "optim/cpu_arith.h"
+#include "base/cpu_arith.h"
 
 namespace frugal {
 namespace {

@@ -39,6 +39,23 @@ torch::Tensor chunked_causal_attention(const torch::Tensor& q, const torch::Tens
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const AttentionKernel& kernel, double p, bool training);
 
+/// The plain kernel fused for float on the CPU, from the qkv projection [B, T, 3C] (q, k, v side
+/// by side, `heads` heads of C / heads each) to the heads' outputs [B, T, C] (before the output
+/// projection): per (batch, head) pair, BLAS on the strided q, k, v in place (no copies), the
+/// scale inside the product, the causal mask by not computing the future keys' scores (query
+/// rows in blocks of 32, each against the keys before its end), softmax in one vectorized pass
+/// per row, the output written in [B, T, C] order; backward likewise (softmax's backward in one
+/// pass per row, the gradient of the projection written as one tensor). Keeps for backward the
+/// projection and the B x H x T x T probabilities (the plain kernel keeps those plus contiguous
+/// copies of q and k). Equal to plain_causal_attention to float rounding (~1e-6; not bitwise:
+/// another summation order and exp). No dropout; differentiable once.
+torch::Tensor fused_causal_attention(const torch::Tensor& qkv, int64_t heads);
+
+/// Whether fused_causal_attention runs for this projection: float, on the CPU, no dropout in
+/// effect, and a BLAS sgemm in the process (LibTorch's own, found at run time; a LibTorch that
+/// hides its BLAS has none, and the plain kernel runs).
+bool fused_attention_applies(const torch::Tensor& qkv, double p, bool training);
+
 /// A module that computes attention through an AttentionKernel it lets others set (the gpt's
 /// attention does; so can a plugin's or a user's model: derive from it beside torch::nn::Module).
 class AttentionModule {
