@@ -74,35 +74,52 @@ std::optional<ThreadChoice> last_thread_choice() {
 ThreadTuner::ThreadTuner(int64_t many, std::shared_ptr<spdlog::logger> log)
     : many_(many),
       initial_(at::get_num_threads()),
-      log_(log ? std::move(log) : spdlog::default_logger()) {
+      log_(log ? std::move(log) : spdlog::default_logger()),
+      clock_(now_ms) {
   candidates_ = {{1, 1}, {many_, 1}};
   if (blas_threads() > 0) candidates_.push_back({1, many_});
   times_.resize(candidates_.size());
+  for (size_t i = 0; i < candidates_.size(); ++i) round_.push_back(i);
 }
 
-// Step 0 warms up on many ATen threads; then each candidate in turn, `rounds_` times.
-const ThreadTuner::Setting& ThreadTuner::setting_for(int64_t step) const {
-  return step == 0 ? candidates_[1] : candidates_[static_cast<size_t>(step - 1) % candidates_.size()];
+// Step 0 warms up on many ATen threads; then the candidates still timed, in turn.
+const ThreadTuner::Setting& ThreadTuner::current() const {
+  return step_ == 0 ? candidates_[1] : candidates_[round_[next_]];
 }
 
 void ThreadTuner::before_batch(Learner&) {
   if (inert() || decided()) return;
-  const Setting& s = setting_for(step_);
+  const Setting& s = current();
   set_threads(s.aten, s.blas);
-  started_ = now_ms();
+  started_ = clock_();
 }
 
 void ThreadTuner::after_batch(Learner& l) {
   if (inert() || decided() || l.batch_skipped()) return;  // a skipped batch times nothing
-  const double ms = now_ms() - started_;
-  if (step_ > 0) times_[static_cast<size_t>(step_ - 1) % candidates_.size()].push_back(ms);
-  ++step_;
-  if (static_cast<int>(times_.back().size()) >= rounds_) decide();
+  const double ms = clock_() - started_;
+  if (step_++ == 0) return;  // the warm-up
+  times_[round_[next_]].push_back(ms);
+  if (++next_ == round_.size()) end_round();
+}
+
+// After a round: a candidate whose fastest step is slower than the best one's by more than the
+// round's margin (and kDropMs) is timed no more: its steps would be training time lost. One
+// left is chosen.
+void ThreadTuner::end_round() {
+  next_ = 0;
+  ++rounds_done_;
+  auto fastest = [&](size_t c) { return *std::min_element(times_[c].begin(), times_[c].end()); };
+  double best = fastest(round_[0]);
+  for (size_t c : round_) best = std::min(best, fastest(c));
+  const double limit = std::max(best * (rounds_done_ == 1 ? kDropFirst : kDropLater), best + kDropMs);
+  round_.erase(std::remove_if(round_.begin(), round_.end(), [&](size_t c) { return fastest(c) > limit; }),
+               round_.end());
+  if (round_.size() == 1 || rounds_done_ >= rounds_) decide();
 }
 
 void ThreadTuner::after_fit(Learner&) {
   if (inert() || decided()) return;
-  if (std::all_of(times_.begin(), times_.end(), [](const auto& t) { return !t.empty(); }))
+  if (std::all_of(round_.begin(), round_.end(), [&](size_t c) { return !times_[c].empty(); }))
     return decide();
   set_threads(initial_);
 }
@@ -110,12 +127,13 @@ void ThreadTuner::after_fit(Learner&) {
 void ThreadTuner::decide() {
   std::vector<double> ms;
   for (const auto& t : times_) ms.push_back(median(t));
-  const size_t best = static_cast<size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
+  size_t best = round_[0];  // among the candidates still timed
+  for (size_t c : round_) best = ms[c] < ms[best] ? c : best;
   choice_.many = many_;
   choice_.one_ms = ms[0];
   choice_.many_ms = ms[1];
   choice_.blas_ms = ms.size() > 2 ? ms[2] : 0.0;
-  choice_.samples = static_cast<int64_t>(times_.back().size());
+  choice_.samples = static_cast<int64_t>(times_[best].size());
   choice_.chosen = candidates_[best].aten;
   choice_.blas = candidates_[best].blas;
   set_threads(choice_.chosen, choice_.blas);
@@ -123,12 +141,15 @@ void ThreadTuner::decide() {
     std::lock_guard<std::mutex> g(g_choice_m);
     g_choice = choice_;
   }
+  std::string counts;
+  for (const auto& t : times_) counts += (counts.empty() ? "" : "/") + std::to_string(t.size());
   log_->info("run.threads = auto: a step took {:.2f} ms on 1 thread, {:.2f} ms on {} ATen threads"
-             "{} (medians of {}); training on {} ATen and {} BLAS thread(s)",
+             "{} (medians of {} steps; one more than 25% and 10 ms slower than the best after a "
+             "round, or 10% after two, is timed no more); training on {} ATen and {} BLAS thread(s)",
              choice_.one_ms, choice_.many_ms, many_,
              ms.size() > 2 ? fmt::format(", {:.2f} ms on {} BLAS threads", choice_.blas_ms, many_)
                            : std::string(),
-             rounds_, choice_.chosen, choice_.blas);
+             counts, choice_.chosen, choice_.blas);
 }
 
 void ThreadTuner::save_state(torch::serialize::OutputArchive& a) const {

@@ -14,6 +14,7 @@
 /// with its products on OpenBLAS's). The batches are real training steps (nothing is computed
 /// twice); the choice is saved with checkpoints, so a resumed run keeps it.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -49,8 +50,16 @@ std::optional<ThreadChoice> last_thread_choice();
 
 class ThreadTuner : public Callback {
  public:
-  /// Steps it takes to decide, at most: one warm-up, then 3 per candidate, in turn.
+  /// Steps it takes to decide, at most: one warm-up, then rounds of one step per candidate, in
+  /// turn, 3 rounds at most. A candidate slower than the round's best by more than kDropFirst
+  /// after the first round (by its fastest step), or kDropLater after the second, and by more
+  /// than kDropMs, is timed no more (its further steps would be training time lost; below
+  /// kDropMs they cost next to nothing, and one noisy step of a tiny model decides nothing);
+  /// when one is left it is chosen. Otherwise the fastest median after 3 rounds wins.
   static constexpr int64_t kSteps = 10;
+  static constexpr double kDropFirst = 1.25;
+  static constexpr double kDropLater = 1.10;
+  static constexpr double kDropMs = 10.0;
   /// `many` > 1: the candidate besides 1 thread. `many` <= 1: an inert tuner that measures
   /// nothing and saves nothing, and ignores a checkpoint's choice (run.threads set to a number,
   /// a GPU, one core, a run too short to measure in): so a checkpoint of an "auto" run resumes
@@ -66,12 +75,15 @@ class ThreadTuner : public Callback {
   void load_state(Learner& l, torch::serialize::InputArchive& a) override;
   bool decided() const { return choice_.chosen > 0; }
   const ThreadChoice& choice() const { return choice_; }
+  /// For tests: the milliseconds clock a step is timed with (steady_clock by default).
+  void set_clock(std::function<double()> ms) { clock_ = std::move(ms); }
 
  private:
   struct Setting {
     int64_t aten, blas;
   };
-  const Setting& setting_for(int64_t step) const;
+  const Setting& current() const;
+  void end_round();
   void decide();
   static constexpr int rounds_ = 3;
   bool inert() const { return many_ <= 1; }
@@ -81,6 +93,10 @@ class ThreadTuner : public Callback {
   int64_t step_ = 0;  // training steps seen while deciding
   std::vector<Setting> candidates_;  // 1 + 1, many + 1, and 1 + many with a BLAS pool
   std::vector<std::vector<double>> times_;  // per candidate
+  std::vector<size_t> round_;  // the candidates still timed, in turn
+  size_t next_ = 0;           // round_[next_] runs the next timed step
+  int rounds_done_ = 0;
+  std::function<double()> clock_;
   double started_ = 0;
   ThreadChoice choice_;
 };
