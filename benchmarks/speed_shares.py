@@ -8,12 +8,15 @@ ratio to frugal as shipped:
   its generic "Prescott" kernels;
 - LibTorch's optimizer (optimizer.fused = false);
 - no caching CPU allocator (FRUGAL_CPU_CACHE=0): every tensor from malloc;
-- run.threads = 1 instead of "auto" (the thread pools' choice).
+- run.threads = 1 instead of "auto" (the thread pools' choice);
+- the gpt only: its attention on the plain kernel (FRUGAL_FUSED_ATTENTION=0) instead of the
+  fused one (frugal/models/attention.h).
 Usage (the table in docs/speed.md):
 
     /usr/bin/python3 benchmarks/speed_shares.py --frugal build/bin/frugal \
         --config examples/configs/side_by_side_mlp.toml \
-        --config examples/configs/side_by_side_cnn.toml --rounds 3
+        --config examples/configs/side_by_side_cnn.toml \
+        --config examples/configs/side_by_side_gpt.toml --rounds 3
 """
 import argparse, json, os, statistics, subprocess, sys, tempfile
 from pathlib import Path
@@ -24,7 +27,15 @@ VARIANTS = [
     ("LibTorch's optimizer", {}, ["optimizer.fused=false"]),
     ("no caching allocator", {"FRUGAL_CPU_CACHE": "0"}, []),
     ("run.threads = 1", {}, ["run.threads=1"]),
+    ("plain attention", {"FRUGAL_FUSED_ATTENTION": "0"}, []),  # the gpt only
 ]
+
+
+def variants(config):
+    """The variants that change something for this config: the attention kernel only with one."""
+    text = Path(config).read_text()
+    gpt = 'arch = "gpt"' in text
+    return [v for v in VARIANTS if gpt or v[0] != "plain attention"]
 
 
 def run(frugal, config, env, sets, out):
@@ -54,9 +65,10 @@ def main():
     notes = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in a.config:
-            times = {name: [] for name, _, _ in VARIANTS}
+            vs = variants(config)
+            times = {name: [] for name, _, _ in vs}
             for r in range(a.rounds):
-                order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+                order = vs if r % 2 == 0 else vs[::-1]
                 for name, env, sets in order:
                     out = Path(tmp) / f"{Path(config).stem}-{len(times[name])}-{abs(hash(name))}"
                     t, report = run(a.frugal, config, env, sets, str(out))
@@ -70,7 +82,7 @@ def main():
                                         (None, report.get('blas', {}).get('core')) else ""))
                     print(f"{Path(config).name} round {r + 1} {name}: {t:.2f} s", file=sys.stderr)
             base = statistics.median(times["frugal as shipped"])
-            for name, _, _ in VARIANTS:
+            for name, _, _ in vs:
                 m = statistics.median(times[name])
                 lines.append(f"| {Path(config).name} | {name} | {m:.2f} | {min(times[name]):.2f}-"
                              f"{max(times[name]):.2f} | {m / base:.2f} |")

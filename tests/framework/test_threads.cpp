@@ -171,6 +171,20 @@ TEST(ThreadTuner, CandidatesWithinTheMarginsRunThreeRoundsAndTheFastestMedianWin
   }
 }
 
+TEST(ThreadTuner, AfterTheLastRoundTheFastestMedianWinsNotTheFastestStep) {
+  if (blas_threads() == 0) GTEST_SKIP() << "needs the third candidate";
+  // 1 + 2 steady at 95 ms; 1 + 1 at 100 ms with one 50 ms step in round 3 (its fastest step,
+  // not its median); 2 + 1 dropped after round 1
+  int seen_one = 0;
+  const auto r = tune_on([&](int aten, int64_t blas) {
+    if (aten > 1) return 200.0;
+    if (blas > 1) return 95.0;
+    return ++seen_one == 3 ? 50.0 : 100.0;
+  });
+  EXPECT_EQ(r.choice.blas, 2) << "1 + 2: median 95 ms against 100";
+  EXPECT_EQ(r.choice.samples, 3);
+}
+
 TEST(ThreadTuner, ATinyModelsStepsAreAllTimedHoweverTheyCompare) {
   // 2 + 1 twice as slow, but 1 ms: three rounds of it cost less than the kDropMs a drop needs
   const auto r = tune_on([](int aten, int64_t) { return aten > 1 ? 2.0 : 1.0; });

@@ -22,9 +22,11 @@ double now_ms() {
       .count();
 }
 
+// The lower median: of two steps the faster, so a candidate cut short (a fit that ended within
+// a round) is not judged by its slower step against another's only one.
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
+  return v.empty() ? 0 : v[(v.size() - 1) / 2];
 }
 
 std::mutex g_choice_m;
@@ -107,14 +109,14 @@ void ThreadTuner::after_batch(Learner& l) {
 // left is chosen.
 void ThreadTuner::end_round() {
   next_ = 0;
-  ++rounds_done_;
+  if (++rounds_done_ >= rounds_) return decide();  // the last round: the fastest median wins
   auto fastest = [&](size_t c) { return *std::min_element(times_[c].begin(), times_[c].end()); };
   double best = fastest(round_[0]);
   for (size_t c : round_) best = std::min(best, fastest(c));
   const double limit = std::max(best * (rounds_done_ == 1 ? kDropFirst : kDropLater), best + kDropMs);
   round_.erase(std::remove_if(round_.begin(), round_.end(), [&](size_t c) { return fastest(c) > limit; }),
                round_.end());
-  if (round_.size() == 1 || rounds_done_ >= rounds_) decide();
+  if (round_.size() == 1) decide();
 }
 
 void ThreadTuner::after_fit(Learner&) {
@@ -159,6 +161,7 @@ void ThreadTuner::save_state(torch::serialize::OutputArchive& a) const {
   a.write("many", torch::tensor(choice_.many));
   a.write("times_ms",
           torch::tensor(std::vector<double>{choice_.one_ms, choice_.many_ms, choice_.blas_ms}));
+  a.write("samples", torch::tensor(choice_.samples));
 }
 
 void ThreadTuner::load_state(Learner&, torch::serialize::InputArchive& a) {
@@ -177,7 +180,8 @@ void ThreadTuner::load_state(Learner&, torch::serialize::InputArchive& a) {
   choice_.one_ms = times[0].item<double>();
   choice_.many_ms = times[1].item<double>();
   choice_.blas_ms = times.numel() > 2 ? times[2].item<double>() : 0.0;
-  choice_.samples = rounds_;
+  torch::Tensor samples;  // checkpoints before the early drop: 3 each
+  choice_.samples = a.try_read("samples", samples) ? samples.item<int64_t>() : rounds_;
   set_threads(choice_.chosen, choice_.blas);
   std::lock_guard<std::mutex> g(g_choice_m);
   g_choice = choice_;

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 
 #include "base/cpu_arith.h"
@@ -19,26 +21,43 @@ namespace frugal {
 namespace {
 
 // ---- BLAS ------------------------------------------------------------------------------------
-// LibTorch calls the BLAS it was built with; its sgemm is in the process (Debian: libblas.so.3,
-// OpenBLAS). LibTorch does not export its own gemm wrapper, so the Fortran entry point is looked
-// up; a LibTorch whose BLAS is hidden (a static MKL) has none, and the composite kernel runs.
-using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
-                       const float*, const int*, const float*, const int*, const float*, float*,
-                       const int*);
+// LibTorch calls the BLAS it was built with; that BLAS is in the process (Debian: libblas.so.3,
+// OpenBLAS). LibTorch does not export its own gemm wrapper, so the BLAS's entry point is looked
+// up: CBLAS's (row-major, as below) where the library has it, else the Fortran one (its
+// one-character flags passed as OpenBLAS's and the reference BLAS's C interfaces read them). A
+// LibTorch whose BLAS is hidden (a static MKL) has neither, and the plain kernel runs.
+using CblasSgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                            float*, int);
+using FortranSgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
+                              const float*, const int*, const float*, const int*, const float*, float*,
+                              const int*);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 
-Sgemm sgemm() {
-  static const Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "sgemm_"));
-  return f;
+struct Blas {
+  CblasSgemm cblas = reinterpret_cast<CblasSgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  FortranSgemm fortran = reinterpret_cast<FortranSgemm>(dlsym(RTLD_DEFAULT, "sgemm_"));
+  bool found() const { return cblas != nullptr || fortran != nullptr; }
+};
+
+const Blas& blas() {
+  static const Blas b;
+  return b;
 }
 
 /// Row-major C[m x n] (leading dimension ldc) = alpha op(A) op(B) + beta C, op(X) = Xᵀ when
-/// `tX`: the column-major call on the transposed problem (the operands swap, the flags stay).
+/// `tX`. The Fortran call solves the transposed problem in column-major order (the operands
+/// swap, the flags stay).
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char fa = ta ? 'T' : 'N', fb = tb ? 'T' : 'N';
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
   const int ia = static_cast<int>(lda), ib = static_cast<int>(ldb), ic = static_cast<int>(ldc);
-  sgemm()(&fb, &fa, &in, &im, &ik, &alpha, b, &ib, a, &ia, &beta, c, &ic);
+  if (blas().cblas) {
+    blas().cblas(kCblasRowMajor, ta ? kCblasTrans : kCblasNoTrans, tb ? kCblasTrans : kCblasNoTrans, im, in, ik,
+                 alpha, a, ia, b, ib, beta, c, ic);
+    return;
+  }
+  const char fa = ta ? 'T' : 'N', fb = tb ? 'T' : 'N';
+  blas().fortran(&fb, &fa, &in, &im, &ik, &alpha, b, &ib, a, &ia, &beta, c, &ic);
 }
 
 // ---- the row passes ----------------------------------------------------------------------------
@@ -49,6 +68,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
 #pragma GCC diagnostic ignored "-Wpsabi"
 using V8 = float __attribute__((vector_size(32)));
 using V8i = int32_t __attribute__((vector_size(32)));
+using V8u = uint32_t __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
 
 FRUGAL_ALWAYS_INLINE V8 load(const float* p) {
@@ -74,7 +94,7 @@ FRUGAL_ALWAYS_INLINE V8 exp_nonpositive(V8 x) {
   const V8 lo = splat(-87.33654f);
   x = x < lo ? lo : x;
   const V8 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const V8 fn = (x * 1.44269504088896341f + magic) - magic;
+  V8 fn = (x * 1.44269504088896341f + magic) - magic;
   V8 r = x - fn * 0.693359375f;
   r = r - fn * -2.12194440e-4f;
   V8 y = splat(1.9875691500e-4f);
@@ -84,7 +104,10 @@ FRUGAL_ALWAYS_INLINE V8 exp_nonpositive(V8 x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  const V8i bits = (__builtin_convertvector(fn, V8i) + 127) << 23;
+  // n in [-126, 0]; a NaN score (y is NaN already) takes -126, so the conversion stays defined
+  const V8 lowest = splat(-126.0f);
+  fn = fn >= lowest ? fn : lowest;
+  const V8u bits = __builtin_convertvector(__builtin_convertvector(fn, V8i) + 127, V8u) << 23;
   V8 two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return y * two_n;
@@ -146,7 +169,6 @@ struct Pair {
 /// skips the products with the others, about (blocks - 1) / (2 blocks) of them).
 constexpr int64_t kBlock = 32;
 
-template <bool kFma>
 FRUGAL_ALWAYS_INLINE void forward_pair(const Pair& a, float scale, float* y) {
   for (int64_t r0 = 0; r0 < a.t; r0 += kBlock) {
     const int64_t r1 = std::min(a.t, r0 + kBlock), nr = r1 - r0;
@@ -157,7 +179,6 @@ FRUGAL_ALWAYS_INLINE void forward_pair(const Pair& a, float scale, float* y) {
 }
 
 /// g: T x T scratch. dq, dk, dv: the pair's rows of the projection's gradient (`w` apart).
-template <bool kFma>
 FRUGAL_ALWAYS_INLINE void backward_pair(const Pair& a, float scale, const float* dy, float* g, float* dq,
                                         float* dk, float* dv) {
   for (int64_t r0 = 0; r0 < a.t; r0 += kBlock) {
@@ -177,15 +198,17 @@ FRUGAL_ALWAYS_INLINE void backward_pair(const Pair& a, float scale, const float*
   }
 }
 
-FRUGAL_FMA_TARGET void forward_pair_fma(const Pair& a, float scale, float* y) { forward_pair<true>(a, scale, y); }
-void forward_pair_plain(const Pair& a, float scale, float* y) { forward_pair<false>(a, scale, y); }
+// Two clones of each: AVX2 + FMA where the CPU has them (eight lanes in one register), the
+// baseline otherwise. The row passes round the same in both (no multiply-add is fused).
+FRUGAL_FMA_TARGET void forward_pair_fma(const Pair& a, float scale, float* y) { forward_pair(a, scale, y); }
+void forward_pair_plain(const Pair& a, float scale, float* y) { forward_pair(a, scale, y); }
 FRUGAL_FMA_TARGET void backward_pair_fma(const Pair& a, float scale, const float* dy, float* g, float* dq,
                                          float* dk, float* dv) {
-  backward_pair<true>(a, scale, dy, g, dq, dk, dv);
+  backward_pair(a, scale, dy, g, dq, dk, dv);
 }
 void backward_pair_plain(const Pair& a, float scale, const float* dy, float* g, float* dq, float* dk,
                          float* dv) {
-  backward_pair<false>(a, scale, dy, g, dq, dk, dv);
+  backward_pair(a, scale, dy, g, dq, dk, dv);
 }
 
 // ---- the autograd function ---------------------------------------------------------------------
@@ -230,6 +253,9 @@ struct FusedAttentionFn : public torch::autograd::Function<FusedAttentionFn> {
     const auto saved = ctx->get_saved_variables();
     const auto& qkv = saved[0];
     const auto& probs = saved[1];
+    // the gradient is written through pointers: no graph of it for a second derivative
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "fused_causal_attention is differentiable once (no create_graph); the plain kernel is not");
     const Shape s(qkv, ctx->saved_data["heads"].toInt());
     const auto dy = grads[0].contiguous();
     auto dqkv = torch::empty_like(qkv);
@@ -252,18 +278,30 @@ struct FusedAttentionFn : public torch::autograd::Function<FusedAttentionFn> {
 
 }  // namespace
 
+namespace {
+// BLAS takes 32-bit sizes: T x T and T x 3C elements per pair (its leading dimensions) must fit.
+bool fits_blas(const torch::Tensor& qkv) {
+  const int64_t lim = std::numeric_limits<int>::max();
+  return qkv.size(1) <= lim / std::max<int64_t>(qkv.size(1), 1) && qkv.size(2) <= lim;
+}
+}  // namespace
+
 bool fused_attention_applies(const torch::Tensor& qkv, double p, bool training) {
-  return sgemm() != nullptr && qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat && qkv.dim() == 3 &&
-         !(p > 0 && training) && qkv.size(1) <= std::numeric_limits<int>::max() / 4 &&
-         qkv.size(2) <= std::numeric_limits<int>::max() / 4;
+  static const bool off = [] {
+    const char* e = std::getenv("FRUGAL_FUSED_ATTENTION");
+    return e != nullptr && std::string(e) == "0";
+  }();
+  return !off && blas().found() && qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat &&
+         qkv.dim() == 3 && qkv.size(2) > 0 && !(p > 0 && training) && fits_blas(qkv);
 }
 
 torch::Tensor fused_causal_attention(const torch::Tensor& qkv, int64_t heads) {
-  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
-              "fused_causal_attention: qkv must be [B, T, 3 C] with C a multiple of heads (", heads, ")");
+  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) > 0 && qkv.size(2) % (3 * heads) == 0,
+              "fused_causal_attention: qkv must be [B, T, 3 C] with C > 0 a multiple of heads (", heads, ")");
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat,
               "fused_causal_attention: a float tensor on the CPU");
-  TORCH_CHECK(sgemm() != nullptr, "fused_causal_attention: no BLAS sgemm_ in this process");
+  TORCH_CHECK(fits_blas(qkv), "fused_causal_attention: T x T and 3 C must fit BLAS's 32-bit sizes");
+  TORCH_CHECK(blas().found(), "fused_causal_attention: no BLAS sgemm in this process");
   return FusedAttentionFn::apply(qkv, heads);
 }
 

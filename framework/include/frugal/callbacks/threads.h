@@ -43,7 +43,7 @@ struct ThreadChoice {
   double one_ms = 0;       ///< median step time with 1 ATen and 1 BLAS thread
   double many_ms = 0;      ///< ... with `many` ATen threads and 1 BLAS thread
   double blas_ms = 0;      ///< ... with 1 ATen thread and `many` BLAS threads (0: not timed)
-  int64_t samples = 0;     ///< timed steps per candidate
+  int64_t samples = 0;     ///< timed steps of the chosen setting (3; fewer when the others were dropped early)
 };
 /// The choice made in this process, if any (threads are process-wide).
 std::optional<ThreadChoice> last_thread_choice();

@@ -53,7 +53,8 @@ torch::Tensor fused_causal_attention(const torch::Tensor& qkv, int64_t heads);
 
 /// Whether fused_causal_attention runs for this projection: float, on the CPU, no dropout in
 /// effect, and a BLAS sgemm in the process (LibTorch's own, found at run time; a LibTorch that
-/// hides its BLAS has none, and the plain kernel runs).
+/// hides its BLAS has none, and the plain kernel runs). FRUGAL_FUSED_ATTENTION=0 in the
+/// environment turns it off (what benchmarks/speed_shares.py measures it by).
 bool fused_attention_applies(const torch::Tensor& qkv, double p, bool training);
 
 /// A module that computes attention through an AttentionKernel it lets others set (the gpt's
