@@ -147,6 +147,7 @@ TEST(ThreadTuner, ACandidateFarSlowerAfterOneRoundIsTimedNoMore) {
   EXPECT_DOUBLE_EQ(r.choice.one_ms, 100.0);
   EXPECT_DOUBLE_EQ(r.choice.many_ms, 150.0);
   EXPECT_EQ(r.choice.samples, pool ? 3 : 1);
+  EXPECT_EQ(r.choice.timed, pool ? (std::vector<int64_t>{3, 1, 3}) : (std::vector<int64_t>{1, 1}));
   EXPECT_LE(static_cast<int64_t>(steps), ThreadTuner::kSteps);
 }
 

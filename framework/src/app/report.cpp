@@ -48,7 +48,8 @@ nlohmann::json make_report(const Learner& l, const Config& c, const nlohmann::js
   if (auto t = last_thread_choice())
     r["threads_auto"] = {{"chosen", t->chosen}, {"blas_chosen", t->blas}, {"many", t->many},
                          {"one_thread_ms", t->one_ms}, {"many_threads_ms", t->many_ms},
-                         {"many_blas_threads_ms", t->blas_ms}, {"chosen_steps_timed", t->samples}};
+                         {"many_blas_threads_ms", t->blas_ms}, {"chosen_steps_timed", t->samples},
+                         {"steps_timed", t->timed}};
   if (auto b = blas_info())
     r["blas"] = {{"library", b->library}, {"core", b->core}, {"detected", b->detected},
                  {"reason", b->reason}};

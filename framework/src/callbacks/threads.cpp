@@ -136,6 +136,8 @@ void ThreadTuner::decide() {
   choice_.many_ms = ms[1];
   choice_.blas_ms = ms.size() > 2 ? ms[2] : 0.0;
   choice_.samples = static_cast<int64_t>(times_[best].size());
+  choice_.timed.clear();
+  for (const auto& t : times_) choice_.timed.push_back(static_cast<int64_t>(t.size()));
   choice_.chosen = candidates_[best].aten;
   choice_.blas = candidates_[best].blas;
   set_threads(choice_.chosen, choice_.blas);

@@ -17,6 +17,7 @@ inline constexpr const char* kVersion = "0.1.0";
 // only resident bytes). 12: Learner::set_parameter_shards and FullParameters (the Learner's
 // layout changed); resident() is false for storage freed to 0 bytes. 13: FusedAdam, FusedAdamW
 // and FusedSGD derive from GradientVerdict too (their layout changed); NonFiniteCheck's layout
-// (Scan, the verdict it waits for).
-inline constexpr int kAbiVersion = 13;
+// (Scan, the verdict it waits for). 14: ThreadChoice holds the timed steps per candidate and
+// ThreadTuner its rounds.
+inline constexpr int kAbiVersion = 14;
 }  // namespace frugal

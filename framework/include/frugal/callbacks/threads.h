@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include <spdlog/logger.h>
 
@@ -44,6 +45,9 @@ struct ThreadChoice {
   double many_ms = 0;      ///< ... with `many` ATen threads and 1 BLAS thread
   double blas_ms = 0;      ///< ... with 1 ATen thread and `many` BLAS threads (0: not timed)
   int64_t samples = 0;     ///< timed steps of the chosen setting (3; fewer when the others were dropped early)
+  /// Timed steps per candidate (1 + 1, N + 1, 1 + N): which settings the first steps ran on, so
+  /// two runs that probed alike (and chose alike) must give the same bits; empty when resumed.
+  std::vector<int64_t> timed;
 };
 /// The choice made in this process, if any (threads are process-wide).
 std::optional<ThreadChoice> last_thread_choice();
