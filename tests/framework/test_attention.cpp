@@ -42,11 +42,12 @@ TEST(FusedAttention, EqualsThePlainKernelInValuesAndGradients) {
   // (B, T, heads, D): T past, at and under a query block (32) and the 8 lanes; one head; D odd
   for (const auto& [b, t, h, d] : std::vector<std::array<int64_t, 4>>{
            {2, 37, 3, 8}, {1, 128, 4, 32}, {3, 5, 1, 4}, {2, 70, 2, 7}, {1, 1, 2, 3}, {2, 64, 4, 16}}) {
+    const int64_t heads = h;  // a lambda cannot capture a structured binding in C++17 (clang)
     torch::manual_seed(b * 1000 + t);
     const auto proj = torch::randn({b, t, 3 * h * d}) * 2;
     const auto w = torch::randn({b, t, h * d});
-    const auto fused = attend(proj, w, [&](const torch::Tensor& x) { return fused_causal_attention(x, h); });
-    const auto plain = attend(proj, w, [&](const torch::Tensor& x) { return plain_from_projection(x, h); });
+    const auto fused = attend(proj, w, [&](const torch::Tensor& x) { return fused_causal_attention(x, heads); });
+    const auto plain = attend(proj, w, [&](const torch::Tensor& x) { return plain_from_projection(x, heads); });
     SCOPED_TRACE("B " + std::to_string(b) + " T " + std::to_string(t) + " H " + std::to_string(h) + " D " +
                  std::to_string(d));
     EXPECT_EQ(fused.y.sizes(), plain.y.sizes());
