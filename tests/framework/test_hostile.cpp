@@ -412,6 +412,24 @@ TEST(Hostile, AnUnsealedArchiveWithAChangedRecordIsRefusedBeforeLibTorchReadsIt)
 // changed TorchScript record crashed LibTorch's importer (SEGV in parseClassConstant); an
 // archive whose records were outside its folder, or without a version, leaked LibTorch's zip
 // reader. zip_records.h checks the structure before LibTorch reads: each is refused, named.
+TEST(Hostile, BytesAfterTheEndRecordAreRefusedBeforeLibTorchReadsTheArchive) {
+  // LibTorch's zip reader takes the last end record it finds whatever follows it; frugal's
+  // checks looked only for one ending the file, so a changed record behind such an end reached
+  // LibTorch's TorchScript importer (SEGV: the CI's fuzz_checkpoint, stop 47)
+  TempDir dir;
+  auto l = make_tiny_learner();
+  l->save(dir.file("good.ckpt"), false);
+  const std::string bytes = read_bytes(dir.file("good.ckpt"));
+  for (const std::string& tail : {std::string(100, 'Z'), std::string("PK\x05\x06") + std::string(30, '\0')}) {
+    const std::string path = dir.file("tail.ckpt");
+    write_bytes(path, bytes + tail);
+    const std::string msg = checkpoint_error_of([&] { l->load(path, false); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("end-of-archive record"), std::string::npos) << msg;
+  }
+  EXPECT_NO_THROW(l->load(dir.file("good.ckpt"), false));
+}
+
 TEST(Hostile, ASealedArchiveLibTorchWouldNotWriteIsRefusedNamingWhy) {
   TempDir dir;
   auto l = make_tiny_learner();

@@ -231,13 +231,36 @@ std::vector<Record> records(const ReadAt& read, uint64_t file_size, bool* whole)
 
 namespace {
 
+/// Where miniz (LibTorch's zip reader) takes the end record from: the last signature with a
+/// whole record after it in the file's last 64 KiB + 22 bytes, whatever its comment's length
+/// says (find_end also wants the comment to end the file, as every writer makes it).
+bool find_end_as_miniz(const ReadAt& read, uint64_t file_size, uint64_t& offset) {
+  if (file_size < kEndSize) return false;
+  const uint64_t span = std::min<uint64_t>(file_size, kEndSize + 0xFFFF);
+  std::vector<unsigned char> tail;
+  if (!read(file_size - span, span, tail)) return false;
+  for (uint64_t i = span - kEndSize + 1; i-- > 0;)
+    if (le32(tail.data() + i) == kEndSignature) {
+      offset = file_size - span + i;
+      return true;
+    }
+  return false;
+}
+
 /// The records LibTorch would read, all of them; empty for a file left to LibTorch (no zip:
 /// its reader refuses it cleanly; zip64, past 4 GiB: not checked here).
 std::vector<Record> records_to_check(const ReadAt& read, uint64_t file_size) {
-  uint64_t end_offset = 0;
+  uint64_t end_offset = 0, miniz_offset = 0;
   uint16_t comment = 0;
   std::vector<unsigned char> end;
-  if (!find_end(read, file_size, end_offset, comment) || !read(end_offset, kEndSize, end)) return {};
+  const bool miniz_finds = find_end_as_miniz(read, file_size, miniz_offset);
+  const bool found = find_end(read, file_size, end_offset, comment);
+  // Bytes after the end record's comment, or a signature in them: LibTorch's reader still
+  // takes an end record, and its records, that nothing here checked (a changed TorchScript
+  // record behind it crashed LibTorch's importer: the CI's fuzz_checkpoint, stop 47).
+  if (miniz_finds && (!found || miniz_offset != end_offset))
+    throw std::runtime_error("its end-of-archive record does not end the file as LibTorch writes it");
+  if (!found || !read(end_offset, kEndSize, end)) return {};
   if (le16(end.data() + 10) == 0xFFFF || le32(end.data() + 12) == 0xFFFFFFFF || le32(end.data() + 16) == 0xFFFFFFFF)
     return {};
   bool whole = false;
