@@ -26,12 +26,6 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-torch::Tensor plain(const torch::Tensor& proj, int64_t heads) {
-  const int64_t b = proj.size(0), t = proj.size(1), w = proj.size(2) / 3, d = w / heads;
-  const auto qkv = proj.reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
-  return frugal::plain_causal_attention(qkv[0], qkv[1], qkv[2], 0, true).transpose(1, 2).reshape({b, t, w});
-}
-
 struct Run {
   double ms;
   int64_t held;  // bytes live after the forward, beyond the projection and the output weights
@@ -41,7 +35,7 @@ Run once(bool fused, const torch::Tensor& proj, const torch::Tensor& weight, int
   auto& meter = frugal::MemoryMeter::get();
   const auto t0 = Clock::now();
   const int64_t before = meter.current();
-  auto y = fused ? frugal::fused_causal_attention(proj, heads) : plain(proj, heads);
+  auto y = frugal::attention_from_projection(proj, heads, {}, 0, true, fused);
   auto loss = (y * weight).sum();
   const int64_t held = meter.current() - before;
   loss.backward();

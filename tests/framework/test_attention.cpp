@@ -27,10 +27,9 @@ Attended attend(const torch::Tensor& proj, const torch::Tensor& w, Kernel&& kern
   return {y.detach(), x.grad()};
 }
 
+// The plain kernel, as the gpt runs it where the fused one does not apply.
 torch::Tensor plain_from_projection(const torch::Tensor& proj, int64_t heads) {
-  const int64_t b = proj.size(0), t = proj.size(1), c = proj.size(2) / 3, d = c / heads;
-  const auto qkv = proj.reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
-  return plain_causal_attention(qkv[0], qkv[1], qkv[2], 0, true).transpose(1, 2).reshape({b, t, c});
+  return attention_from_projection(proj, heads, AttentionKernel{}, 0, true, /*fused=*/false);
 }
 
 double relative_diff(const torch::Tensor& a, const torch::Tensor& b) {

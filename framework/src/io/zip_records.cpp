@@ -190,20 +190,29 @@ bool intact(const ReadAt& read, const Record& r, uint64_t limit) {
                        r.crc);
 }
 
-bool find_end(const ReadAt& read, uint64_t file_size, uint64_t& offset, uint16_t& comment) {
+namespace {
+/// The last end-of-archive signature in the file's last 64 KiB + 22 bytes with a whole record
+/// after it (miniz's rule: LibTorch's reader takes that one) and, if `to_the_end`, a comment
+/// that ends the file (as every writer makes it).
+bool last_end(const ReadAt& read, uint64_t file_size, bool to_the_end, uint64_t& offset, uint16_t& comment) {
   if (file_size < kEndSize) return false;
   const uint64_t span = std::min<uint64_t>(file_size, kEndSize + 0xFFFF);
   std::vector<unsigned char> tail;
   if (!read(file_size - span, span, tail)) return false;
   for (uint64_t i = span - kEndSize + 1; i-- > 0;) {
     const unsigned char* p = tail.data() + i;
-    if (le32(p) == kEndSignature && i + kEndSize + le16(p + 20) == span) {
+    if (le32(p) == kEndSignature && (!to_the_end || i + kEndSize + le16(p + 20) == span)) {
       offset = file_size - span + i;
       comment = le16(p + 20);
       return true;
     }
   }
   return false;
+}
+}  // namespace
+
+bool find_end(const ReadAt& read, uint64_t file_size, uint64_t& offset, uint16_t& comment) {
+  return last_end(read, file_size, /*to_the_end=*/true, offset, comment);
 }
 
 std::vector<Record> records(const ReadAt& read, uint64_t file_size, bool* whole) {
@@ -231,29 +240,13 @@ std::vector<Record> records(const ReadAt& read, uint64_t file_size, bool* whole)
 
 namespace {
 
-/// Where miniz (LibTorch's zip reader) takes the end record from: the last signature with a
-/// whole record after it in the file's last 64 KiB + 22 bytes, whatever its comment's length
-/// says (find_end also wants the comment to end the file, as every writer makes it).
-bool find_end_as_miniz(const ReadAt& read, uint64_t file_size, uint64_t& offset) {
-  if (file_size < kEndSize) return false;
-  const uint64_t span = std::min<uint64_t>(file_size, kEndSize + 0xFFFF);
-  std::vector<unsigned char> tail;
-  if (!read(file_size - span, span, tail)) return false;
-  for (uint64_t i = span - kEndSize + 1; i-- > 0;)
-    if (le32(tail.data() + i) == kEndSignature) {
-      offset = file_size - span + i;
-      return true;
-    }
-  return false;
-}
-
 /// The records LibTorch would read, all of them; empty for a file left to LibTorch (no zip:
 /// its reader refuses it cleanly; zip64, past 4 GiB: not checked here).
 std::vector<Record> records_to_check(const ReadAt& read, uint64_t file_size) {
   uint64_t end_offset = 0, miniz_offset = 0;
-  uint16_t comment = 0;
+  uint16_t comment = 0, miniz_comment = 0;
   std::vector<unsigned char> end;
-  const bool miniz_finds = find_end_as_miniz(read, file_size, miniz_offset);
+  const bool miniz_finds = last_end(read, file_size, /*to_the_end=*/false, miniz_offset, miniz_comment);
   const bool found = find_end(read, file_size, end_offset, comment);
   // Bytes after the end record's comment, or a signature in them: LibTorch's reader still
   // takes an end record, and its records, that nothing here checked (a changed TorchScript

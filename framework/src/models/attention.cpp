@@ -183,6 +183,17 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
              : plain_causal_attention(q, k, v, p, training);
 }
 
+torch::Tensor attention_from_projection(const torch::Tensor& proj, int64_t heads, const AttentionKernel& kernel,
+                                        double p, bool training, bool fused) {
+  if (fused && !kernel.chunked() && fused_attention_applies(proj, p, training))
+    return fused_causal_attention(proj, heads);
+  const int64_t b = proj.size(0), t = proj.size(1), w = proj.size(2) / 3, d = w / heads;
+  // q, k, v [B, H, T, D], views of the projection: unbind's backward stacks their gradients
+  // into one tensor (indexing each would zero-fill a whole [3, B, H, T, D] per part, then sum)
+  const auto qkv = proj.reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
+  return causal_attention(qkv[0], qkv[1], qkv[2], kernel, p, training).transpose(1, 2).reshape({b, t, w});
+}
+
 int64_t set_attention_kernel(torch::nn::Module& model, const AttentionKernel& kernel) {
   int64_t n = 0;
   if (auto* a = dynamic_cast<AttentionModule*>(&model)) {

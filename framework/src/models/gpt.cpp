@@ -48,17 +48,8 @@ struct CausalSelfAttentionImpl : nn::Module, AttentionModule {
         c_attn(register_module("c_attn", AdaptableLinear(width, 3 * width, true, layout))),
         c_proj(register_module("c_proj", AdaptableLinear(width, width, true, layout))) {}
   torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
-    const auto proj = c_attn(x);
-    // float on the CPU: one fused pass from the projection to [B, T, C] (attention.h)
-    if (!kernel_.chunked() && fused_attention_applies(proj, p, is_training()))
-      return drop(c_proj(fused_causal_attention(proj, heads)), p, is_training());
-    // q, k, v [B, H, T, D], views of the projection: unbind's backward stacks their gradients
-    // into one tensor (indexing each would zero-fill a whole [3, B, H, T, D] per part, then sum)
-    const auto qkv = proj.reshape({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
-    // the kernel a plugin may have set (chunked_attention)
-    auto y = causal_attention(qkv[0], qkv[1], qkv[2], kernel_, p, is_training()).transpose(1, 2).reshape({b, t, w});
-    return drop(c_proj(y), p, is_training());
+    // the kernel a plugin may have set (chunked_attention); fused on the CPU where it applies
+    return drop(c_proj(attention_from_projection(c_attn(x), heads, kernel_, p, is_training())), p, is_training());
   }
   int64_t heads;
   double p;

@@ -57,6 +57,12 @@ torch::Tensor fused_causal_attention(const torch::Tensor& qkv, int64_t heads);
 /// environment turns it off (what benchmarks/speed_shares.py measures it by).
 bool fused_attention_applies(const torch::Tensor& qkv, double p, bool training);
 
+/// The attention of a q, k, v projection [B, T, 3C] (`heads` heads) as [B, T, C], the way the
+/// gpt computes it: fused_causal_attention where `kernel` is the plain one and the fused kernel
+/// applies (and `fused`), else `kernel` on q, k, v views of the projection.
+torch::Tensor attention_from_projection(const torch::Tensor& proj, int64_t heads, const AttentionKernel& kernel,
+                                        double p, bool training, bool fused = true);
+
 /// A module that computes attention through an AttentionKernel it lets others set (the gpt's
 /// attention does; so can a plugin's or a user's model: derive from it beside torch::nn::Module).
 class AttentionModule {
